@@ -1,0 +1,5 @@
+import sys
+
+from fx_precision.cli import main
+
+sys.exit(main())

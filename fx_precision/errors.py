@@ -1,0 +1,23 @@
+"""The one error family of fx_precision.
+
+Every message names the rule, module or parameter at fault and says what to do about it.
+``PrecisionError`` subclasses ``ValueError`` so callers that already guard configuration
+errors catch it without knowing this package.
+"""
+
+from __future__ import annotations
+
+
+class PrecisionError(ValueError):
+    """A precision spec, plan, policy or compiled graph breaks the contract."""
+
+
+class RuleSyntaxError(PrecisionError):
+    """Rule text that does not parse; carries the 1-based column of the fault."""
+
+    def __init__(self, text: str, column: int, expected: str) -> None:
+        self.text = text
+        self.column = column
+        self.expected = expected
+        pointer = " " * (column - 1) + "^"
+        super().__init__(f"rule text, column {column}: expected {expected}\n  {text}\n  {pointer}")

@@ -1,0 +1,163 @@
+"""The module object graph of a model: paths, children, dominators, parameter homes.
+
+A module tree is usually a tree, but a submodule may have several parents (shared blocks) and a
+parameter may be held by several modules (tied embeddings)::
+
+    root                         dominator tree            parameter homes
+    ├── a ─┐                     root                      s.w   -> s     (one holder)
+    │      └── s  (shared)       ├── a                     tied  -> root  (held by emb and head)
+    ├── b ─┘                     ├── b
+    ├── emb  (tied.w)            ├── s   <- idom(s) = root
+    └── head (tied.w)            ├── emb
+                                 └── head
+
+FSDP2 claims parameters by reachability, so the plan reasons on this graph: a parameter's
+*home* is the deepest module that lies on every path to every module holding it, and the wrap
+order is a post-order of the object graph (every module after everything it contains).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+
+@dataclass
+class ModuleGraph:
+    root: nn.Module
+    first_fqn: dict[int, str] = field(default_factory=dict)
+    modules: dict[int, nn.Module] = field(default_factory=dict)
+    all_paths: dict[int, list[str]] = field(default_factory=dict)
+    children: dict[int, list[int]] = field(default_factory=dict)
+    parents: dict[int, list[int]] = field(default_factory=dict)
+    idom: dict[int, int | None] = field(default_factory=dict)
+    dom_children: dict[int, list[int]] = field(default_factory=dict)
+    depth: dict[int, int] = field(default_factory=dict)
+    post_order: list[int] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, root: nn.Module) -> ModuleGraph:
+        g = cls(root)
+        for fqn, mod in root.named_modules(remove_duplicate=False):
+            key = id(mod)
+            if key not in g.modules:
+                g.modules[key] = mod
+                g.first_fqn[key] = fqn
+                g.all_paths[key] = []
+            g.all_paths[key].append(fqn)
+        for key, mod in g.modules.items():
+            kids: list[int] = []
+            for child in mod.children():
+                if id(child) not in kids:
+                    kids.append(id(child))
+            g.children[key] = kids
+            g.parents.setdefault(key, [])
+            for kid in kids:
+                g.parents.setdefault(kid, []).append(key)
+        g._post_order()
+        g._dominators()
+        return g
+
+    def _post_order(self) -> None:
+        seen: set[int] = set()
+        order: list[int] = []
+        stack: list[tuple[int, int]] = [(id(self.root), 0)]
+        seen.add(id(self.root))
+        while stack:
+            key, i = stack[-1]
+            kids = self.children[key]
+            if i < len(kids):
+                stack[-1] = (key, i + 1)
+                kid = kids[i]
+                if kid not in seen:
+                    seen.add(kid)
+                    stack.append((kid, 0))
+            else:
+                order.append(key)
+                stack.pop()
+        self.post_order = order
+
+    def _dominators(self) -> None:
+        root = id(self.root)
+        self.idom = {root: None}
+        self.depth = {root: 0}
+        for key in reversed(self.post_order):  # reverse post-order: parents before children
+            if key == root:
+                continue
+            parents = self.parents[key]
+            dom = parents[0]
+            for other in parents[1:]:
+                dom = self.dom_lca(dom, other)
+            self.idom[key] = dom
+            self.depth[key] = self.depth[dom] + 1
+        self.dom_children = {key: [] for key in self.modules}
+        for key in reversed(self.post_order):
+            parent = self.idom[key]
+            if parent is not None:
+                self.dom_children[parent].append(key)
+
+    def dom_lca(self, a: int, b: int) -> int:
+        while a != b:
+            if self.depth[a] >= self.depth[b]:
+                parent = self.idom[a]
+                assert parent is not None
+                a = parent
+            else:
+                parent = self.idom[b]
+                assert parent is not None
+                b = parent
+        return a
+
+    def dom_ancestors(self, key: int) -> list[int]:
+        """``key`` and its dominators, innermost first."""
+        chain = [key]
+        while (parent := self.idom[chain[-1]]) is not None:
+            chain.append(parent)
+        return chain
+
+    def reaches(self, outer: int, inner: int) -> bool:
+        if outer == inner:
+            return True
+        stack = [outer]
+        seen = {outer}
+        while stack:
+            for kid in self.children[stack.pop()]:
+                if kid == inner:
+                    return True
+                if kid not in seen:
+                    seen.add(kid)
+                    stack.append(kid)
+        return False
+
+    def module_at(self, path: str) -> nn.Module:
+        return self.root.get_submodule(path) if path else self.root
+
+
+@dataclass
+class ParamInfo:
+    """One parameter object: its canonical FQN, every alias, the modules holding it, its home."""
+
+    fqn: str
+    aliases: list[str]
+    param: torch.nn.Parameter
+    holders: list[int]
+    home: int
+
+
+def collect_params(graph: ModuleGraph) -> dict[int, ParamInfo]:
+    """Every parameter of the model (floating or not), keyed by ``id(param)``."""
+    infos: dict[int, ParamInfo] = {}
+    for fqn, param in graph.root.named_parameters(remove_duplicate=False):
+        owner_path, _, _ = fqn.rpartition(".")
+        holder = id(graph.module_at(owner_path))
+        info = infos.get(id(param))
+        if info is None:
+            infos[id(param)] = ParamInfo(fqn, [fqn], param, [holder], holder)
+        else:
+            info.aliases.append(fqn)
+            if holder not in info.holders:
+                info.holders.append(holder)
+                info.home = graph.dom_lca(info.home, holder)
+    return infos

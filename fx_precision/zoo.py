@@ -1,0 +1,141 @@
+"""Models by name for the command line, tests and benchmarks (random init, no download).
+
+qwen3_5-tiny       Qwen3_5ForCausalLM, 4 layers (linear, full, linear, full), hidden 64
+qwen3_5-4b-slice   Qwen3.5-4B layer dimensions, 2 layers (one linear-, one full-attention)
+qwen3_5-4b         Qwen3.5-4B text dimensions, 32 layers (for meta-device lint)
+toy-decoder        the hand-written ToyDecoder (needs no transformers)
+pkg.module:factory any zero-argument callable returning an nn.Module
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from fx_precision.errors import PrecisionError
+from fx_precision.toy_decoder import ToyDecoder
+
+HF_INSTALL_HINT = "pip install 'fx_precision[hf]' (or: pip install transformers)"
+
+
+def _transformers() -> Any:
+    try:
+        import transformers
+    except ImportError as exc:  # transformers is an optional extra
+        raise PrecisionError(f"this model needs the transformers package: {HF_INSTALL_HINT}") from exc
+    return transformers
+
+
+def qwen3_5_config(name: str) -> Any:
+    """The ``Qwen3_5TextConfig`` of a built-in Qwen3.5 name.
+
+    The 4B dimensions are Qwen3.5-4B's text tower (hidden 2560, 32 layers, 16 query / 4 KV heads of
+    256, linear attention 16 key / 32 value heads of 128, every 4th layer full attention); the
+    embedding is left untied so that an embedding gather rule does not also select ``lm_head``.
+    """
+    transformers = _transformers()
+    if name == "qwen3_5-tiny":
+        kwargs: dict[str, Any] = dict(
+            vocab_size=256,
+            hidden_size=64,
+            intermediate_size=128,
+            num_hidden_layers=4,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            head_dim=16,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            linear_num_key_heads=2,
+            linear_num_value_heads=4,
+            full_attention_interval=2,
+            max_position_embeddings=256,
+        )
+    else:
+        kwargs = dict(
+            vocab_size=248320,
+            hidden_size=2560,
+            intermediate_size=9216,
+            num_hidden_layers=32,
+            num_attention_heads=16,
+            num_key_value_heads=4,
+            head_dim=256,
+            linear_conv_kernel_dim=4,
+            linear_key_head_dim=128,
+            linear_value_head_dim=128,
+            linear_num_key_heads=16,
+            linear_num_value_heads=32,
+            full_attention_interval=4,
+            max_position_embeddings=32768,
+        )
+        if name == "qwen3_5-4b-slice":
+            kwargs.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
+    return transformers.Qwen3_5TextConfig(tie_word_embeddings=False, **kwargs)
+
+
+def _qwen3_5(name: str) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        transformers = _transformers()
+        return transformers.Qwen3_5ForCausalLM(qwen3_5_config(name))
+
+    return build
+
+
+BUILTIN: dict[str, Callable[[], nn.Module]] = {
+    "qwen3_5-tiny": _qwen3_5("qwen3_5-tiny"),
+    "qwen3_5-4b-slice": _qwen3_5("qwen3_5-4b-slice"),
+    "qwen3_5-4b": _qwen3_5("qwen3_5-4b"),
+    "toy-decoder": ToyDecoder,
+}
+
+
+def build_model(name: str, *, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
+    """Build a model by built-in name or ``package.module:factory``; ``device="meta"`` allocates nothing."""
+    if name in BUILTIN:
+        factory = BUILTIN[name]
+    elif ":" in name:
+        module_name, _, attr = name.partition(":")
+        try:
+            factory = getattr(importlib.import_module(module_name), attr)
+        except (ImportError, AttributeError) as exc:
+            raise PrecisionError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({exc})") from exc
+    else:
+        raise PrecisionError(f"unknown model {name!r}; built-in: {', '.join(BUILTIN)}, or give package.module:factory")
+    torch.manual_seed(seed)
+    with torch.device(device) if device is not None else contextlib.nullcontext():
+        model = factory()
+    if not isinstance(model, nn.Module):
+        raise PrecisionError(f"--model {name!r}: the factory returned {type(model).__name__}, not an nn.Module")
+    return model
+
+
+def vocab_size(model: nn.Module) -> int:
+    config = getattr(model, "config", None)
+    size = getattr(config, "vocab_size", None) or getattr(model, "vocab_size", None)
+    if size is None:
+        raise PrecisionError(
+            f"{type(model).__name__} has no vocab_size (model.config.vocab_size or model.vocab_size); "
+            "the command line drives models with token ids"
+        )
+    return int(size)
+
+
+def token_batch(model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
+    """Synthetic token ids from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randint(0, vocab_size(model), (batch, seq_len), generator=gen).to(device)
+
+
+def logits_of(output: Any) -> torch.Tensor:
+    """The logits tensor of a model output (plain tensor or a transformers ``ModelOutput``)."""
+    if isinstance(output, torch.Tensor):
+        return output
+    logits = getattr(output, "logits", None)
+    if isinstance(logits, torch.Tensor):
+        return logits
+    raise PrecisionError(f"cannot find logits in a {type(output).__name__}; return a tensor or an object with .logits")

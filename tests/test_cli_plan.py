@@ -1,0 +1,41 @@
+"""``fx-precision plan`` on tiny Qwen3.5 (a real transformers architecture, random init)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+pytest.importorskip("transformers", reason="the qwen3_5-tiny model needs transformers (the dev extra installs it)")
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=300)
+
+
+def test_plan_table_has_embedding_unit_at_bf16_and_layers_at_default() -> None:
+    out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokens=bf16", "--wrap", "model.layers.*")
+    assert out.returncode == 0, out.stderr
+    rows = {line.split()[0]: line.split() for line in out.stdout.splitlines() if line.startswith(("model.", "<root>"))}
+    assert rows["model.embed_tokens"][1:2] == ["precision"] and "bf16" in rows["model.embed_tokens"]
+    for i in range(4):
+        assert rows[f"model.layers.{i}"][1] == "wrap" and "fp32" in rows[f"model.layers.{i}"]
+    assert "fp32" in rows["<root>"]
+    assert set(rows) == {"model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "<root>"}
+
+
+def test_plan_json_is_the_same_plan() -> None:
+    out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokens=bf16", "--wrap", "model.layers.*", "--json")
+    assert out.returncode == 0, out.stderr
+    data = json.loads(out.stdout)
+    units = {u["fqn"]: u["gather"] for u in data["units"]}
+    assert units == {"model.embed_tokens": "bf16", **{f"model.layers.{i}": "fp32" for i in range(4)}, "": "fp32"}
+    assert data["params"]["model.embed_tokens.weight"]["gather_rule"] == "*embed_tokens=bf16"
+
+
+def test_plan_with_a_misspelt_rule_exits_nonzero_and_suggests() -> None:
+    out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokenz=bf16")
+    assert out.returncode != 0
+    assert "*embed_tokenz=bf16" in out.stderr and "model.embed_tokens" in out.stderr
