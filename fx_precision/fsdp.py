@@ -1,0 +1,129 @@
+"""Applying a ``PrecisionPlan`` with FSDP2: fp32-master conversion, then one ``fully_shard`` per unit.
+
+    plan.units (inner first)                    fully_shard(module, mp_policy=...)
+    model.embed_tokens   gather bf16   ──▶      MixedPrecisionPolicy(param_dtype=bf16, reduce_dtype=fp32, cast_forward_inputs=…)
+    model.layers.0..N    gather fp32   ──▶      MixedPrecisionPolicy(param_dtype=fp32, …)
+    <root>               gather fp32   ──▶      MixedPrecisionPolicy(param_dtype=fp32, …)
+
+Everything is validated before the first ``fully_shard``; on a bad plan the model is untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from fx_precision.dtypes import dtype_name
+from fx_precision.errors import PrecisionError
+from fx_precision.plan import PrecisionPlan, unit_label
+
+
+def _fsdp() -> Any:
+    from torch.distributed import fsdp
+
+    return fsdp
+
+
+def layer_wrap_globs(model: nn.Module) -> list[str]:
+    """The conventional per-layer wrap: each child of the largest homogeneous ``ModuleList``.
+
+    For ``transformers`` decoders that is ``model.layers.*``.
+    """
+    best: tuple[int, str] | None = None
+    for fqn, module in model.named_modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 0 and fqn:
+            kinds = {type(child).__name__ for child in module}
+            numel = sum(p.numel() for p in module.parameters())
+            if len(kinds) <= 2 and numel and (best is None or numel > best[0]):
+                best = (numel, fqn)
+    return [f"{best[1]}.*"] if best else []
+
+
+@dataclass(frozen=True)
+class AppliedUnit:
+    fqn: str
+    param_dtype: torch.dtype
+    reduce_dtype: torch.dtype
+    cast_forward_inputs: bool
+
+
+def _check_plan_matches(model: nn.Module, plan: PrecisionPlan) -> None:
+    names = {fqn for fqn, p in model.named_parameters() if p.is_floating_point()}
+    planned = set(plan.params)
+    if names != planned:
+        missing = sorted(names - planned)[:3]
+        extra = sorted(planned - names)[:3]
+        raise PrecisionError(
+            f"the plan does not match this model (not planned: {missing}, planned but absent: {extra}); "
+            "compile the plan for this model with compile_precision"
+        )
+    modules = dict(model.named_modules())
+    for unit in plan.units:
+        if unit.fqn not in modules:
+            raise PrecisionError(f"plan unit {unit_label(unit.fqn)!r} is not a module of this model; recompile the plan")
+    fsdp = _fsdp()
+    for fqn, module in modules.items():
+        if isinstance(module, fsdp.FSDPModule):
+            raise PrecisionError(f"module {unit_label(fqn)!r} is already wrapped by fully_shard; apply_fsdp2 wraps a plain model once")
+    for fqn, p in model.named_parameters():
+        if type(p.data).__name__ == "DTensor" or p.device.type == "meta":
+            raise PrecisionError(
+                f"parameter {fqn} is a {'DTensor' if p.device.type != 'meta' else 'meta tensor'}; "
+                "apply_fsdp2 needs a plain model with materialised parameters"
+            )
+
+
+def apply_fsdp2(
+    model: nn.Module,
+    plan: PrecisionPlan,
+    *,
+    mesh: Any,
+    reduce_dtype: torch.dtype = torch.float32,
+    cast_forward_inputs: bool = True,
+    reshard_after_forward: bool = True,
+    offload_policy: Any = None,
+) -> list[AppliedUnit]:
+    """Convert each parameter to its master dtype, then ``fully_shard`` every unit in plan order.
+
+    ``cast_forward_inputs``: pass ``policy.cast_forward_inputs`` from a resolved
+    ``PrecisionPolicy`` (False exactly when an autocast compute dtype is set). Returns what was
+    applied, unit by unit, in order.
+    """
+    fsdp = _fsdp()
+    _check_plan_matches(model, plan)
+    if not reduce_dtype.is_floating_point:
+        raise PrecisionError(f"reduce_dtype={reduce_dtype} is not a floating dtype; use fp32 or bf16")
+    modules = dict(model.named_modules())
+    params = dict(model.named_parameters())
+    # -- everything below mutates; everything above only validated ----------------------------
+    with torch.no_grad():
+        for fqn, planned in plan.params.items():
+            param = params[fqn]
+            if param.dtype != planned.master:
+                param.data = param.data.to(planned.master)
+    applied = []
+    kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    for unit in plan.units:
+        mp = fsdp.MixedPrecisionPolicy(param_dtype=unit.gather, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs)
+        fsdp.fully_shard(modules[unit.fqn], mp_policy=mp, **kwargs)
+        applied.append(AppliedUnit(unit.fqn, unit.gather, reduce_dtype, cast_forward_inputs))
+    return applied
+
+
+def fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:
+    """``[(fqn, MixedPrecisionPolicy)]`` of every ``fully_shard``-ed module, in module order."""
+    fsdp = _fsdp()
+    out = []
+    for fqn, module in model.named_modules():
+        if isinstance(module, fsdp.FSDPModule):
+            out.append((fqn, module._get_fsdp_state()._mp_policy))
+    return out
+
+
+def describe_units(model: nn.Module) -> str:
+    return "\n".join(f"{unit_label(fqn)}: param_dtype={dtype_name(mp.param_dtype)}" for fqn, mp in fsdp_units(model))

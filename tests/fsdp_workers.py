@@ -1,0 +1,110 @@
+"""Functions that run inside gloo ranks (spawned by ``run_on_ranks``); importable by name."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from fx_precision.distributed import cpu_mesh
+from fx_precision.fsdp import apply_fsdp2, fsdp_units, layer_wrap_globs
+from fx_precision.policy import resolve_policy
+from fx_precision.spec import parse_precision_rules
+from fx_precision.zoo import build_model, logits_of, token_batch
+
+BATCH, SEQ = 4, 16
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if hasattr(t, "full_tensor") else t
+
+
+def wrapped_model(model_name: str, rules: str, compute: str | None, world_size: int, seed: int = 0) -> tuple[nn.Module, Any, Any]:
+    model = build_model(model_name, seed=seed)
+    policy = resolve_policy(model, gather="fp32", compute=compute, spec=parse_precision_rules(rules))
+    plan = policy.plan(model, wrap=layer_wrap_globs(model))
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
+    return model, policy, plan
+
+
+def train_step(rank: int, world_size: int, model_name: str, rules: str, compute: str | None, ckpt_dir: str | None) -> dict[str, Any] | None:
+    """One fwd+bwd+SGD step on this rank's slice of a fixed batch; report dtypes, loss, grads, params."""
+    model, policy, plan = wrapped_model(model_name, rules, compute, world_size)
+    seen: dict[str, dict[str, torch.dtype]] = {}
+
+    def record(fqn: str) -> Any:
+        def hook(module: nn.Module, args: Any) -> None:
+            # the whole subtree: some weights are read without calling their module (Qwen3.5's conv1d)
+            seen[fqn] = {name: p.dtype for name, p in module.named_parameters()}
+
+        return hook
+
+    for fqn, module in model.named_modules():
+        module.register_forward_pre_hook(record(fqn))
+
+    ids = token_batch(model, batch=BATCH, seq_len=SEQ, seed=1)
+    per_rank = BATCH // world_size
+    local = ids[rank * per_rank : (rank + 1) * per_rank]
+    with policy.forward_context("cpu"):
+        logits = logits_of(model(local))
+    loss = F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), local[:, 1:].flatten())
+    loss.backward()
+
+    loss_sum = loss.detach().clone()
+    dist.all_reduce(loss_sum)
+    sharded = {n: (p.dtype, p.grad.dtype if p.grad is not None else None, type(p).__name__) for n, p in model.named_parameters()}
+    grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+    torch.optim.SGD(model.parameters(), lr=0.5).step()
+    params = {n: _full(p.detach()).clone() for n, p in model.named_parameters()}
+
+    restored: dict[str, torch.Tensor] | None = None
+    if ckpt_dir is not None:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+        dcp.save(get_model_state_dict(model), checkpoint_id=os.path.join(ckpt_dir, "step1"))
+        fresh, _, _ = wrapped_model(model_name, rules, compute, world_size, seed=123)
+        state = get_model_state_dict(fresh)
+        dcp.load(state, checkpoint_id=os.path.join(ckpt_dir, "step1"))
+        set_model_state_dict(fresh, state)
+        restored = {n: _full(p.detach()).clone() for n, p in fresh.named_parameters()}
+
+    if rank != 0:
+        return None
+    return {
+        "plan_gather": {fqn: p.gather for fqn, p in plan.params.items()},
+        "unit_of": {fqn: p.unit for fqn, p in plan.params.items()},
+        "seen": seen,
+        "loss": float(loss_sum) / world_size,
+        "sharded": sharded,
+        "grads": grads,
+        "params": params,
+        "restored": restored,
+        "units": [(fqn, mp) for fqn, mp in fsdp_units(model)],
+        "cast_forward_inputs": policy.cast_forward_inputs,
+    }
+
+
+def default_vs_plain_wrap(rank: int, world_size: int, model_name: str) -> dict[str, Any] | None:
+    """Units and MixedPrecisionPolicy of (a) the default resolved policy, (b) a plain per-layer wrap."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    ours, policy, plan = wrapped_model(model_name, "", None, world_size)
+    plain = build_model(model_name)
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    layers = [m for fqn, m in plain.named_modules() if fqn.count(".") == 2 and fqn.startswith("model.layers.")]
+    for layer in layers:
+        fully_shard(layer, mesh=cpu_mesh(world_size), mp_policy=mp)
+    fully_shard(plain, mesh=cpu_mesh(world_size), mp_policy=mp)
+    if rank != 0:
+        return None
+    return {
+        "ours": fsdp_units(ours),
+        "plain": fsdp_units(plain),
+        "rules": len(policy.spec),
+        "cast_forward_inputs": policy.cast_forward_inputs,
+    }
