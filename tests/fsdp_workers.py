@@ -93,7 +93,7 @@ def default_vs_plain_wrap(rank: int, world_size: int, model_name: str) -> dict[s
     """Units and MixedPrecisionPolicy of (a) the default resolved policy, (b) a plain per-layer wrap."""
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    ours, policy, plan = wrapped_model(model_name, "", None, world_size)
+    ours, policy, _ = wrapped_model(model_name, "", None, world_size)
     plain = build_model(model_name)
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     layers = [m for fqn, m in plain.named_modules() if fqn.count(".") == 2 and fqn.startswith("model.layers.")]

@@ -43,7 +43,7 @@ def test_gated_delta_net_recognised_by_model_type_or_layer_types() -> None:
 
     class Custom:
         model_type = "my_hybrid"
-        layer_types = ["full_attention", "linear_attention"]
+        layer_types = ("full_attention", "linear_attention")
 
     assert is_gated_delta_net(Custom())
     assert not is_gated_delta_net(None)
@@ -70,7 +70,7 @@ def test_user_rules_come_after_arch_rules_and_win() -> None:
 
 def test_explicit_cast_forward_inputs_is_kept_and_dtypes_validated() -> None:
     assert PrecisionPolicy(compute=torch.bfloat16, cast_forward_inputs=True).cast_forward_inputs is True
-    with pytest.raises(PrecisionError, match="PrecisionPolicy.gather"):
+    with pytest.raises(PrecisionError, match=r"PrecisionPolicy\.gather"):
         PrecisionPolicy(gather=torch.int32)
 
 
