@@ -11,10 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from fx_precision.census_driver import CensusConfig
 
 Handler = Callable[[argparse.Namespace], int]
 
@@ -35,14 +40,6 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
 
 
-def _default_wrap(args: argparse.Namespace, model: object) -> list[str]:
-    if args.wrap is not None:
-        return args.wrap
-    from fx_precision.fsdp import layer_wrap_globs
-
-    return layer_wrap_globs(model)  # type: ignore[arg-type]
-
-
 def cmd_plan(args: argparse.Namespace) -> int:
     from fx_precision.plan import compile_precision
     from fx_precision.spec import parse_precision_rules
@@ -60,6 +57,73 @@ def cmd_plan(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--gather", default="fp32", help="default gather dtype (FSDP2 param_dtype)")
+    p.add_argument("--compute", default="bf16", help="autocast dtype, or 'none' for no autocast")
+    p.add_argument("--master", default="fp32", help="master dtype ('none': keep as loaded)")
+    p.add_argument(
+        "--cast-forward-inputs",
+        choices=["on", "off", "auto"],
+        default="auto",
+        help="FSDP2 cast_forward_inputs; auto: off exactly when a compute dtype is set",
+    )
+    p.add_argument("--no-arch-rules", action="store_true", help="do not add the per-architecture rules (e.g. Qwen3.5's embedding rule)")
+
+
+def _census_config(args: argparse.Namespace) -> CensusConfig:
+    from fx_precision.census_driver import CensusConfig
+
+    none = {"none", "None", ""}
+    return CensusConfig(
+        label="census",
+        model=args.model,
+        gather=args.gather,
+        compute=None if args.compute in none else args.compute,
+        master=None if args.master in none else args.master,
+        rules=args.rules,
+        arch_rules=not args.no_arch_rules,
+        cast_forward_inputs={"on": True, "off": False, "auto": None}[args.cast_forward_inputs],
+        batch=args.batch,
+        seq_len=args.seq_len,
+        backward=args.backward,
+    )
+
+
+def cmd_census(args: argparse.Namespace) -> int:
+    from fx_precision.census_driver import run_census
+
+    if args.wrap is not None:
+        raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
+    ((cfg, policy, result),) = run_census([_census_config(args)], world_size=args.world_size)
+    if args.json:
+        print(json.dumps({"model": cfg.model, "world_size": args.world_size, "policy": policy, **result.to_dict()}, indent=2))
+    else:
+        print(f"{cfg.model} on {args.world_size} gloo rank(s); policy: {policy}")
+        print(result.render(top=args.top))
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from fx_precision.census_driver import demo_configs, demo_rows, run_census
+
+    rows = demo_rows(run_census(demo_configs(args.model), world_size=1))
+    if args.json:
+        print(json.dumps({"model": args.model, "rows": rows}, indent=2))
+        return 0
+    print(f"{args.model} under FSDP2 (1 gloo rank), fp32 master, fp32 gather: dtypes of every module input/output tensor\n")
+    print(
+        tabulate(
+            [[r["policy"], r["float_tensors"], r["fp32"], r["bf16"], f"{r['fp32_share']:.0%}", r["meaning"]] for r in rows],
+            headers=["policy", "float tensors", "fp32", "bf16", "fp32 share", "what the row means"],
+        )
+    )
+    both = next(r for r in rows if r["policy"] == "both fixes")
+    print(f"\nint64 tensors with both fixes: {len(both['int64_paths'])}, all token/position ids: {', '.join(both['int64_paths'])}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fx-precision",
@@ -73,15 +137,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--master", default=None, help="default master dtype (default: each parameter's own dtype)")
     p.set_defaults(handler=cmd_plan)
 
-    for register in _EXTRA_VERBS:
-        register(sub)
+    p = sub.add_parser("census", help="eager module-IO dtype inventory of one forward under FSDP2 on N gloo ranks")
+    _add_model_args(p)
+    _add_policy_args(p)
+    p.add_argument("--world-size", type=int, default=1, help="gloo ranks to spawn (rank 0 prints; default 1)")
+    p.add_argument("--batch", type=int, default=2, help="synthetic batch size (token ids from a fixed seed)")
+    p.add_argument("--seq-len", type=int, default=16, help="synthetic sequence length")
+    p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
+    p.add_argument("--top", type=int, default=15, help="modules to list (by fp32 count)")
+    p.set_defaults(handler=cmd_census)
+
+    p = sub.add_parser(
+        "demo",
+        help="the Qwen3.5 reproduction: fp32 share of module IO under four policies and the default",
+        description="Tiny Qwen3.5 (random init) under FSDP2 on one gloo rank, fp32 master, fp32 gather: "
+        "bf16 autocast as-is, with each fix alone, with both fixes, and the default policy (no autocast).",
+    )
+    p.add_argument("--model", default="qwen3_5-tiny", help="model name (default qwen3_5-tiny)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(handler=cmd_demo)
     return parser
 
 
-_EXTRA_VERBS: list[Callable[[argparse._SubParsersAction], None]] = []
-
-
 def main(argv: Sequence[str] | None = None) -> int:
+    # transformers' "falling back to the reference implementation" notes are noise on CPU;
+    # the variable also reaches the gloo ranks this process spawns
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
     handler: Handler = args.handler

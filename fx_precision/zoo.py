@@ -139,3 +139,9 @@ def logits_of(output: Any) -> torch.Tensor:
     if isinstance(logits, torch.Tensor):
         return logits
     raise PrecisionError(f"cannot find logits in a {type(output).__name__}; return a tensor or an object with .logits")
+
+
+def forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments for a plain forward: ``use_cache=False`` for transformers models."""
+    config = getattr(model, "config", None)
+    return {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}

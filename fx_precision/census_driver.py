@@ -1,0 +1,167 @@
+"""Build -> policy -> plan -> FSDP2 wrap -> census, on N gloo ranks; and the demo's five policies.
+
+demo (tiny Qwen3.5, fp32 master, fp32 gather)
+├── as-is              bf16 autocast, boundary re-cast on,  embedding gathered fp32   -> leaks
+├── re-cast off only   bf16 autocast, boundary re-cast off, embedding gathered fp32   -> leaks
+├── embedding only     bf16 autocast, boundary re-cast on,  embedding gathered bf16   -> leaks
+├── both fixes         bf16 autocast, boundary re-cast off, embedding gathered bf16   -> 0 fp32
+└── default            no autocast (everything fp32, as before any of this)
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from fx_precision.census import Census, census
+from fx_precision.distributed import cpu_mesh, run_on_ranks
+from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
+from fx_precision.policy import PrecisionPolicy, resolve_policy
+from fx_precision.spec import PrecisionSpec, parse_precision_rules
+from fx_precision.zoo import build_model, forward_kwargs, token_batch
+
+
+@dataclass(frozen=True)
+class CensusConfig:
+    """One census run. ``cast_forward_inputs``: True/False, or None for the policy's own resolution."""
+
+    label: str = "census"
+    meaning: str = ""
+    model: str = "qwen3_5-tiny"
+    gather: str = "fp32"
+    compute: str | None = "bf16"
+    master: str | None = "fp32"
+    rules: str = ""
+    arch_rules: bool = True
+    cast_forward_inputs: bool | None = None
+    batch: int = 2
+    seq_len: int = 16
+    backward: bool = False
+    seed: int = 0
+    plain_wrap: bool = False  # reference: plain per-layer fully_shard with MixedPrecisionPolicy(fp32, fp32)
+
+    def policy(self, model: Any) -> PrecisionPolicy:
+        spec = parse_precision_rules(self.rules)
+        if self.arch_rules:
+            return resolve_policy(
+                model, master=self.master, gather=self.gather, compute=self.compute, spec=spec, cast_forward_inputs=self.cast_forward_inputs
+            )
+        return PrecisionPolicy(
+            master=self.master,  # type: ignore[arg-type]
+            gather=self.gather,  # type: ignore[arg-type]
+            compute=self.compute,  # type: ignore[arg-type]
+            spec=spec or PrecisionSpec(),
+            cast_forward_inputs=self.cast_forward_inputs,
+        )
+
+
+def _plain_wrap(model: Any, world_size: int) -> None:
+    import torch
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
+    mesh = cpu_mesh(world_size)
+    for glob in layer_wrap_globs(model):
+        parent = model.get_submodule(glob.removesuffix(".*"))
+        for layer in parent.children():
+            fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(model, mesh=mesh, mp_policy=mp)
+
+
+def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> list[dict[str, Any]]:
+    """Runs inside each rank: every config on a freshly built, freshly wrapped model."""
+    out = []
+    for cfg in configs:
+        model = build_model(cfg.model, seed=cfg.seed)
+        policy = cfg.policy(model)
+        if cfg.plain_wrap:
+            _plain_wrap(model, world_size)
+            plan_units: list[str] = []
+        else:
+            plan = policy.plan(model, wrap=layer_wrap_globs(model))
+            apply_fsdp2(
+                model, plan, mesh=cpu_mesh(world_size), reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs)
+            )
+            plan_units = [f"{u.fqn or '<root>'}:{u.gather}" for u in plan.units]
+        ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
+        with policy.forward_context("cpu"):
+            result = census(model, ids, backward=cfg.backward, **forward_kwargs(model))
+        out.append({"config": asdict(cfg), "policy": policy.describe(), "units": plan_units, "census": result.to_dict()})
+    return out
+
+
+def run_census(configs: list[CensusConfig], world_size: int = 1) -> list[tuple[CensusConfig, str, Census]]:
+    """Every config on ``world_size`` real gloo ranks; rank 0's censuses, with the policy text."""
+    rank0 = run_on_ranks(census_on_rank, world_size, configs)[0]
+    return [(cfg, r["policy"], Census.from_dict(r["census"])) for cfg, r in zip(configs, rank0, strict=True)]
+
+
+def demo_configs(model: str = "qwen3_5-tiny") -> list[CensusConfig]:
+    emb = "*embed_tokens=bf16"
+    base = CensusConfig(model=model, arch_rules=False)
+    return [
+        CensusConfig(
+            **{
+                **asdict(base),
+                "label": "as-is",
+                "cast_forward_inputs": True,
+                "meaning": "bf16 autocast; FSDP2 re-casts unit inputs to fp32; embedding gathered fp32",
+            }
+        ),
+        CensusConfig(
+            **{
+                **asdict(base),
+                "label": "re-cast off only",
+                "cast_forward_inputs": False,
+                "meaning": "no boundary re-cast, but F.embedding (not autocast-covered) still emits fp32",
+            }
+        ),
+        CensusConfig(
+            **{
+                **asdict(base),
+                "label": "embedding bf16 only",
+                "rules": emb,
+                "cast_forward_inputs": True,
+                "meaning": "embedding emits bf16, but every unit boundary re-casts to fp32",
+            }
+        ),
+        CensusConfig(
+            **{
+                **asdict(base),
+                "label": "both fixes",
+                "rules": emb,
+                "cast_forward_inputs": False,
+                "meaning": "what resolve_policy gives Qwen3.5: the stream stays bf16",
+            }
+        ),
+        CensusConfig(
+            **{
+                **asdict(base),
+                "label": "default (no autocast)",
+                "compute": None,
+                "cast_forward_inputs": None,
+                "meaning": "fp32 everywhere, as before any mixed precision",
+            }
+        ),
+    ]
+
+
+def demo_rows(results: list[tuple[CensusConfig, str, Census]]) -> list[dict[str, Any]]:
+    rows = []
+    for cfg, policy, c in results:
+        floats = c.float_totals()
+        n_float = sum(floats.values())
+        rows.append(
+            {
+                "policy": cfg.label,
+                "float_tensors": n_float,
+                "fp32": floats.get("fp32", 0),
+                "bf16": floats.get("bf16", 0),
+                "fp32_share": floats.get("fp32", 0) / n_float if n_float else 0.0,
+                "int64_paths": sorted({f"{e.module or '<root>'}:{e.path}" for e in c.entries if e.dtype == "int64"}),
+                "totals": c.totals(),
+                "meaning": cfg.meaning,
+                "resolved": policy,
+            }
+        )
+    return rows
