@@ -67,7 +67,11 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
         default="auto",
         help="FSDP2 cast_forward_inputs; auto: off exactly when a compute dtype is set",
     )
-    p.add_argument("--no-arch-rules", action="store_true", help="do not add the per-architecture rules (e.g. Qwen3.5's embedding rule)")
+    p.add_argument(
+        "--arch-rules",
+        action="store_true",
+        help="add resolve_policy's per-architecture rules (e.g. Qwen3.5's embedding at compute dtype); off: your --rules only",
+    )
 
 
 def _census_config(args: argparse.Namespace) -> CensusConfig:
@@ -81,11 +85,11 @@ def _census_config(args: argparse.Namespace) -> CensusConfig:
         compute=None if args.compute in none else args.compute,
         master=None if args.master in none else args.master,
         rules=args.rules,
-        arch_rules=not args.no_arch_rules,
+        arch_rules=args.arch_rules,
         cast_forward_inputs={"on": True, "off": False, "auto": None}[args.cast_forward_inputs],
         batch=args.batch,
         seq_len=args.seq_len,
-        backward=args.backward,
+        backward=getattr(args, "backward", False),
     )
 
 
@@ -124,6 +128,28 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_lint(args: argparse.Namespace) -> int:
+    from fx_precision.lint import lint
+    from fx_precision.zoo import build_model, forward_kwargs, token_batch
+
+    cfg: CensusConfig = _census_config(args)
+    meta = args.meta or args.model == "qwen3_5-4b"
+    model = build_model(args.model, device="meta" if meta else None)
+    policy = cfg.policy(model)
+    plan = policy.plan(model, wrap=args.wrap or ())
+    ids = token_batch(model, batch=args.batch, seq_len=args.seq_len)
+    report = lint(model, ids, policy=policy, plan=plan, dynamic=args.dynamic, device_type=args.device_type, **forward_kwargs(model))
+    if args.dot:
+        with open(args.dot, "w") as f:
+            f.write(report.to_dot())
+    if args.json:
+        print(report.to_json())
+    else:
+        print(f"{args.model}{' (meta)' if meta else ''}; policy: {policy.describe()}")
+        print(report.render())
+    return 1 if report.reaches(args.fail_on) else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fx-precision",
@@ -146,6 +172,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
     p.add_argument("--top", type=int, default=15, help="modules to list (by fp32 count)")
     p.set_defaults(handler=cmd_census)
+
+    p = sub.add_parser(
+        "lint",
+        help="FX-graph dtype analysis: sources of wide dtypes, cause chains; exit 1 at --fail-on",
+        description="Captures the model's Dynamo graph(s) on one device (no FSDP2; the plan's gathers are emulated) "
+        "under the policy's autocast and reports findings. Exit status 1 when a finding reaches --fail-on.",
+    )
+    _add_model_args(p)
+    _add_policy_args(p)
+    p.add_argument("--batch", type=int, default=2, help="synthetic batch size")
+    p.add_argument("--seq-len", type=int, default=16, help="synthetic sequence length")
+    p.add_argument("--dynamic", action="store_true", help="trace with dynamic shapes (wide bytes as a sympy expression)")
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights); implied for qwen3_5-4b")
+    p.add_argument("--device-type", default="cpu", choices=["cpu", "cuda"], help="whose autocast op lists apply (default cpu)")
+    p.add_argument("--fail-on", default="error", choices=["info", "warn", "error"], help="exit 1 when a finding reaches this severity")
+    p.add_argument("--dot", metavar="FILE", help="write the module-level dtype flow as Graphviz DOT")
+    p.set_defaults(handler=cmd_lint)
 
     p = sub.add_parser(
         "demo",

@@ -118,10 +118,8 @@ def test_default_policy_census_equals_plain_per_layer_fully_shard() -> None:
 
 
 def test_census_on_two_ranks_counts_like_one_rank() -> None:
-    one = run_cli("census", "--model", "qwen3_5-tiny", "--gather", "fp32", "--compute", "bf16", "--no-arch-rules", "--json")
-    two = run_cli(
-        "census", "--model", "qwen3_5-tiny", "--gather", "fp32", "--compute", "bf16", "--no-arch-rules", "--world-size", "2", "--json"
-    )
+    one = run_cli("census", "--model", "qwen3_5-tiny", "--gather", "fp32", "--compute", "bf16", "--json")
+    two = run_cli("census", "--model", "qwen3_5-tiny", "--gather", "fp32", "--compute", "bf16", "--world-size", "2", "--json")
     assert one.returncode == 0 and two.returncode == 0, one.stderr + two.stderr
     a, b = json.loads(one.stdout), json.loads(two.stdout)
     assert a["totals"] == b["totals"] and a["totals"]["fp32"] > 0

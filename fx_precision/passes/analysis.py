@@ -1,0 +1,84 @@
+"""The one analysis that ``lint`` and ``precision_backend`` share.
+
+    analyse_graph(gm)
+    ├── annotate                   dtype, module, unit, parameter of every node (annotate.py)
+    ├── emulate gathers (+ re-propagate)   parameters at master dtype -> unit gather dtype
+    ├── annotate again             kinds, origins, stream flags
+    ├── findings                   sources, explicit upcasts, wide inputs, round trips, plan, gathers
+    └── census                     float nodes / stream tensors by dtype, wide stream bytes
+
+The backend then casts the sources' outputs, re-propagates and calls ``analyse_graph`` again to
+verify; ``lint`` stops here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from fx_precision.passes.annotate import GraphAnnotation, annotate, param_names
+from fx_precision.passes.findings import Finding, graph_findings, severity_rank
+from fx_precision.passes.gather_emulation import InsertedCast, emulate_gathers
+from fx_precision.passes.graph_census import GraphCensus, graph_census
+from fx_precision.passes.repropagate import repropagate
+from fx_precision.passes.units import UnitIndex
+
+
+@dataclass
+class GraphAnalysis:
+    index: int
+    annotation: GraphAnnotation
+    findings: list[Finding]
+    census: GraphCensus
+    gather_casts: list[InsertedCast] = field(default_factory=list)
+
+    @property
+    def worst_severity(self) -> str | None:
+        return max((f.severity for f in self.findings), key=severity_rank, default=None)
+
+    @property
+    def sources(self) -> list[Finding]:
+        return [f for f in self.findings if f.kind in ("uncovered-op", "weight-promotion")]
+
+
+def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A structural copy (node metas copied shallowly) that an analysis may rewrite freely."""
+    graph = fx.Graph()
+    output = graph.graph_copy(gm.graph, {}, return_output_node=True)
+    if isinstance(output, tuple):  # graph_copy returns (value, output node) with return_output_node
+        graph.output(output[0], type_expr=getattr(output[1], "type", None))
+    copy = fx.GraphModule(gm, graph)
+    copy.meta = dict(getattr(gm, "meta", {}))
+    for attr in ("_param_name_to_source",):
+        if hasattr(gm, attr):
+            setattr(copy, attr, getattr(gm, attr))
+    return copy
+
+
+def analyse_graph(
+    gm: fx.GraphModule,
+    example_inputs: list[Any] | None,
+    *,
+    compute: torch.dtype | None,
+    units: UnitIndex,
+    known_names: dict[int, tuple[str, str]] | None = None,
+    emulate: bool = True,
+    index: int = 0,
+    fsdp_cast_inputs: bool | None = None,
+    device_type: str | None = None,
+) -> GraphAnalysis:
+    """Annotate, emulate gathers (rewrites ``gm``), re-annotate; findings and census of the result."""
+    params = param_names(gm, example_inputs, known_names)
+    ann = annotate(gm, compute, units, params)
+    casts: list[InsertedCast] = []
+    mismatches = []
+    if emulate:
+        casts, mismatches = emulate_gathers(ann, units)
+        if casts:
+            repropagate(gm, compute, device_type)
+            ann = annotate(gm, compute, units, params)
+    findings = graph_findings(ann, units, graph_index=index, fsdp_cast_inputs=fsdp_cast_inputs, mismatches=mismatches)
+    return GraphAnalysis(index, ann, findings, graph_census(ann), casts)

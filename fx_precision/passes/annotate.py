@@ -1,0 +1,226 @@
+"""Dtype annotation of a Dynamo graph: what each node is, where a wide dtype came from, what crosses a module.
+
+Under bf16 compute, tiny Qwen3.5 with its embedding gathered at fp32 annotates as::
+
+    embed_tokens.weight   placeholder  fp32  weight
+    embedding             model.embed_tokens          fp32  SOURCE (uncovered-op)       origin {embedding}
+    float                 model.layers.0.input_layernorm  fp32  propagation             origin {embedding}
+    ...                   (the norm's type_as(x) keeps fp32: x is fp32)
+    linear                model.layers.0...q_proj     bf16  compute   (autocast covers linear)
+    add                   model.layers.0              fp32  propagation (residual)      origin {embedding}
+
+Kinds (of float tensor nodes):
+
+    weight        a parameter or buffer, or computed from them alone (w.float(), 1 + w)
+    input         a graph input that is not a parameter (wide: it arrived wide)
+    compute       not wider than the compute dtype
+    intentional   wide because the program asked: an explicit cast of a narrow value (x.float()),
+                  an op autocast runs in fp32 (softmax, norms), a constant created wide
+    source        wide without the program asking: an op autocast does not cover consuming a wide
+                  weight (``uncovered-op``), or an elementwise op mixing a wide weight with a
+                  compute-dtype activation (``weight-promotion``)
+    propagation   wide because an activation input is wide (type_as, residual adds, ...)
+
+A *stream* tensor is an activation that crosses a module boundary (its producer and a consumer
+sit in different modules) or leaves the graph. Saved-for-backward tensors are not visible at
+this level: AOTAutograd decides them later.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import fx
+
+from fx_precision.dtypes import is_analysed_float
+from fx_precision.passes.graph_nodes import (
+    input_nodes,
+    is_cast,
+    module_path,
+    node_dtype,
+    node_value,
+    op_name,
+    placeholder_attr,
+    source_line,
+)
+from fx_precision.passes.units import UnitIndex
+
+UNCOVERED = "uncovered-op"
+PROMOTION = "weight-promotion"
+
+
+@dataclass
+class NodeInfo:
+    node: fx.Node
+    dtype: torch.dtype | None
+    module: str
+    kind: str  # weight | input | compute | intentional | source | propagation | other
+    source_kind: str | None = None  # uncovered-op | weight-promotion (kind == "source")
+    param: str | None = None  # FQN of the parameter / buffer behind a placeholder
+    param_kind: str | None = None  # "parameter" | "buffer"
+    origin: frozenset[str] = frozenset()  # names of the source/intentional/input nodes behind a wide value
+    wide_parent: fx.Node | None = None
+    wide: bool = False
+    stream: bool = False
+    unit: str | None = None
+
+    @property
+    def name(self) -> str:
+        return self.node.name
+
+    def describe(self) -> str:
+        dtype = str(self.dtype).removeprefix("torch.") if self.dtype else "-"
+        return f"{self.module or '<root>'}: {op_name(self.node)} -> {dtype} [{self.node.name}]"
+
+    @property
+    def line(self) -> str | None:
+        return source_line(self.node)
+
+
+@dataclass
+class GraphAnnotation:
+    gm: fx.GraphModule
+    compute: torch.dtype | None
+    info: dict[fx.Node, NodeInfo] = field(default_factory=dict)
+
+    def by_name(self, name: str) -> NodeInfo:
+        for node, info in self.info.items():
+            if node.name == name:
+                return info
+        raise KeyError(name)
+
+    def stream_nodes(self) -> list[NodeInfo]:
+        return [i for i in self.info.values() if i.stream]
+
+    def chain(self, start: NodeInfo, stop: str | None = None) -> list[NodeInfo]:
+        """``start`` back to its source along wide parents (one entry per module run, and the source)."""
+        path = [start]
+        seen = {start.node}
+        while path[-1].wide_parent is not None and path[-1].wide_parent not in seen and (stop is None or path[-1].name != stop):
+            parent = path[-1].wide_parent
+            seen.add(parent)
+            path.append(self.info[parent])
+        compressed: list[NodeInfo] = []
+        for i, item in enumerate(path):
+            last = i == len(path) - 1
+            if last or not compressed or item.module != compressed[-1].module:
+                compressed.append(item)
+        return compressed
+
+
+def is_wide(dtype: torch.dtype | None, compute: torch.dtype | None) -> bool:
+    return compute is not None and dtype is not None and is_analysed_float(dtype) and dtype.itemsize > compute.itemsize
+
+
+def param_names(
+    gm: fx.GraphModule, example_inputs: list[object] | None, known: dict[int, tuple[str, str]] | None
+) -> dict[fx.Node, tuple[str, str]]:
+    """Placeholder -> (FQN, "parameter"|"buffer"): by object identity where known, else by name.
+
+    ``known``: ``id(tensor) -> (fqn, kind)`` for the model's parameters and buffers (lint has the
+    model); the backend has only the graph, so it falls back to Dynamo's placeholder names and,
+    for letter case, to ``gm._param_name_to_source``.
+    """
+    from fx_precision.passes.graph_nodes import normalise_source
+
+    case: dict[str, str] = {}
+    for source in getattr(gm, "_param_name_to_source", {}).values():
+        name = getattr(source, "name", None)
+        text = name() if callable(name) else name
+        if isinstance(text, str):
+            fqn = normalise_source(text)
+            case[fqn.lower()] = fqn
+    out: dict[fx.Node, tuple[str, str]] = {}
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    for i, node in enumerate(placeholders):
+        if known and example_inputs is not None and i < len(example_inputs) and id(example_inputs[i]) in known:
+            out[node] = known[id(example_inputs[i])]
+            continue
+        attr = placeholder_attr(node)
+        if attr is not None:
+            kind, key = attr
+            out[node] = (case.get(key, key), kind)
+    return out
+
+
+def annotate(
+    gm: fx.GraphModule,
+    compute: torch.dtype | None,
+    units: UnitIndex,
+    params: dict[fx.Node, tuple[str, str]],
+) -> GraphAnnotation:
+    """Classify every node (see the module docstring); ``compute=None`` means no autocast."""
+    ann = GraphAnnotation(gm, compute)
+    weightish: set[fx.Node] = set()
+    for node in gm.graph.nodes:
+        dtype = node_dtype(node)
+        module = module_path(node)
+        info = NodeInfo(node, dtype, module, "other")
+        ann.info[node] = info
+        if node.op == "output":
+            continue
+        if node.op == "placeholder":
+            if node in params:
+                info.param, info.param_kind = params[node]
+                info.kind = "weight"
+                info.unit = units.unit_of_param(info.param)
+                weightish.add(node)
+            elif isinstance(node_value(node), torch.Tensor) and node_value(node).dim() == 0:
+                info.kind = "weight"  # a Python number Dynamo lifted (dynamic=True): a constant
+                info.unit = units.unit_of_module(module)
+                weightish.add(node)
+            else:
+                info.kind = "input"
+                info.unit = units.unit_of_module(module)
+                if is_wide(dtype, compute):
+                    info.wide = True
+                    info.origin = frozenset({node.name})
+            continue
+        info.unit = units.unit_of_module(module)
+        inputs = [n for n in input_nodes(node) if node_value(n) is not None]
+        tensor_inputs = [n for n in inputs if node_dtype(n) is not None]
+        if node.op == "get_attr" or (tensor_inputs and all(n in weightish for n in tensor_inputs)):
+            weightish.add(node)
+            info.kind = "weight"
+            continue
+        if not tensor_inputs and dtype is not None and node.op == "call_function":
+            weightish.add(node)  # a factory (arange, ones, zeros): a constant, like a weight
+            info.kind = "weight"
+            continue
+        if dtype is None or not dtype.is_floating_point:
+            info.kind = "other"
+            continue
+        if not is_wide(dtype, compute):
+            info.kind = "compute"
+            continue
+        info.wide = True
+        wide_acts = [n for n in tensor_inputs if n not in weightish and ann.info[n].wide]
+        if wide_acts:
+            info.kind = "propagation"
+            info.wide_parent = wide_acts[0]
+            info.origin = frozenset().union(*(ann.info[n].origin for n in wide_acts))
+            continue
+        wide_weights = [n for n in tensor_inputs if n in weightish and is_wide(node_dtype(n), compute)]
+        if is_cast(node) or not wide_weights:
+            info.kind = "intentional"  # x.float() on a narrow x, softmax in fp32, ...
+            info.origin = frozenset({node.name})
+            continue
+        info.kind = "source"
+        narrow_float_acts = [n for n in tensor_inputs if n not in weightish and (node_dtype(n) or torch.int64).is_floating_point]
+        info.source_kind = PROMOTION if narrow_float_acts else UNCOVERED
+        info.wide_parent = wide_weights[0]
+        info.origin = frozenset({node.name})
+
+    # stream: activations that cross a module boundary or leave the graph
+    for node, info in ann.info.items():
+        if node.op == "output" or node in weightish or info.dtype is None or not info.dtype.is_floating_point:
+            continue
+        if info.kind == "input":
+            info.stream = True  # it crossed into the compiled region from the caller's module
+            continue
+        for user in node.users:
+            if user.op == "output" or module_path(user) != info.module:
+                info.stream = True
+                break
+    return ann

@@ -1,0 +1,113 @@
+"""Capturing a model's Dynamo graphs for analysis: real tensors, meta-device models, fake tensors.
+
+    lint(model, ids)                          Dynamo (fullgraph=False) ─▶ graph 0, graph 1, … (one per break)
+    ├── real parameters                       traced as they are
+    ├── meta parameters (no weights)          swapped for fake tensors on the analysed device type
+    │                                         (cpu / cuda), so autocast sees what that device runs
+    └── fake parameters (FakeTensorMode)      traced inside their own fake mode
+
+PyTorch does not autocast meta tensors; a fake tensor on ``cpu`` or ``cuda`` carries that
+device's autocast dispatch key while allocating nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import fx, nn
+from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.utils._pytree import tree_map
+
+from fx_precision.errors import PrecisionError
+
+
+@dataclass
+class Captured:
+    gm: fx.GraphModule
+    example_inputs: list[Any]
+
+
+def tensor_names(model: nn.Module) -> dict[int, tuple[str, str]]:
+    """``id(tensor) -> (fqn, "parameter" | "buffer")`` for every parameter and buffer."""
+    names: dict[int, tuple[str, str]] = {}
+    for fqn, p in model.named_parameters(remove_duplicate=False):
+        names.setdefault(id(p), (fqn, "parameter"))
+    for fqn, b in model.named_buffers(remove_duplicate=False):
+        names.setdefault(id(b), (fqn, "buffer"))
+    return names
+
+
+def _is_meta(model: nn.Module) -> bool:
+    return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
+
+
+@contextlib.contextmanager
+def _fake_weights(model: nn.Module, fake_mode: FakeTensorMode, device_type: str) -> Iterator[None]:
+    """Swap every meta parameter/buffer for a fake tensor on ``device_type``; restore afterwards."""
+    saved: list[tuple[nn.Module, str, str, Any]] = []
+    memo: dict[int, Any] = {}
+    try:
+        with fake_mode:
+            for module in model.modules():
+                for kind in ("_parameters", "_buffers"):
+                    table = getattr(module, kind)
+                    for name, value in list(table.items()):
+                        if value is None or value.device.type != "meta":
+                            continue
+                        if id(value) not in memo:
+                            fake = torch.empty_strided(value.shape, value.stride(), dtype=value.dtype, device=device_type)
+                            memo[id(value)] = nn.Parameter(fake, requires_grad=value.requires_grad) if kind == "_parameters" else fake
+                        saved.append((module, kind, name, value))
+                        table[name] = memo[id(value)]
+        yield
+    finally:
+        for module, kind, name, value in saved:
+            getattr(module, kind)[name] = value
+
+
+def capture_graphs(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, dynamic: bool, device_type: str, autocast: Any
+) -> tuple[list[Captured], dict[int, tuple[str, str]]]:
+    """Run ``model(*args, **kwargs)`` once under Dynamo and keep every graph it hands a backend.
+
+    Resets Dynamo's caches first (so the lint sees a fresh trace; compiled functions recompile on
+    their next call). Returns the graphs and ``id(tensor) -> (fqn, kind)`` for what was traced.
+    """
+    graphs: list[Captured] = []
+
+    def recorder(gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        graphs.append(Captured(gm, list(example_inputs)))
+        return gm.forward
+
+    torch._dynamo.reset()
+    existing_fake = detect_fake_mode([*model.parameters(), *model.buffers()])
+    if _is_meta(model):
+        fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+        def to_fake(x: Any) -> Any:
+            if isinstance(x, torch.Tensor):
+                with fake_mode:
+                    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device_type)
+            return x
+
+        fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+        with _fake_weights(model, fake_mode, device_type):
+            names = tensor_names(model)
+            with fake_mode, autocast:
+                torch.compile(model, backend=recorder, dynamic=dynamic)(*fake_args, **fake_kwargs)
+    else:
+        names = tensor_names(model)
+        ctx = existing_fake if existing_fake is not None else contextlib.nullcontext()
+        with ctx, autocast:
+            torch.compile(model, backend=recorder, dynamic=dynamic)(*args, **kwargs)
+    if not graphs:
+        raise PrecisionError(
+            f"Dynamo captured no graph from {type(model).__name__}; is the forward decorated with torch.compiler.disable, "
+            "or did every frame fall back to eager?"
+        )
+    return graphs, names

@@ -1,0 +1,309 @@
+"""Findings from one annotated graph: stable codes, severities, the line to change, the cause chain.
+
+    code     kind               severity                       fires on
+    FXP001   uncovered-op       error                          source: op autocast does not cover, wide weight in
+    FXP002   weight-promotion   error                          source: elementwise op, wide weight x compute activation
+    FXP101   explicit-upcast    warn                           a cast/fp32 op the program asked for, leaking to the stream
+    FXP102   wide-input         warn (info if contained)       a graph input wider than compute (FSDP2 re-cast, RoPE table)
+    FXP201   round-trip-cast    info                           bf16 -> fp32 -> bf16 with nothing between
+    FXP202   plan-mismatch      warn                           a parameter seen at a dtype the plan does not predict
+    FXP203   wide-gather        info                           a unit gathered wider than compute whose weights only
+                                                               feed autocast-covered ops (suggests the rule)
+
+Propagations (type_as, residual adds) are not findings: each source counts the wide nodes and
+the wide stream tensors it explains. A source whose wide value never reaches the stream (an fp32
+island the program narrows again, as Qwen3.5's gated norm does) is contained and not reported.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from fx_precision.dtypes import dtype_name
+from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, is_wide
+from fx_precision.passes.graph_nodes import is_cast, is_view, node_dtype, op_name, source_line
+from fx_precision.passes.units import UnitIndex
+
+SEVERITIES = ("info", "warn", "error")
+CODES = {
+    UNCOVERED: "FXP001",
+    PROMOTION: "FXP002",
+    "explicit-upcast": "FXP101",
+    "wide-input": "FXP102",
+    "round-trip-cast": "FXP201",
+    "plan-mismatch": "FXP202",
+    "wide-gather": "FXP203",
+}
+
+
+def severity_rank(severity: str | None) -> int:
+    return -1 if severity is None else SEVERITIES.index(severity)
+
+
+@dataclass(frozen=True)
+class Finding:
+    code: str
+    severity: str
+    kind: str
+    module: str
+    unit: str | None
+    node: str
+    source_line: str | None
+    chain: tuple[str, ...]
+    message: str
+    graph: int = 0
+    propagations: int = 0
+    stream_tensors: int = 0
+    suggestion: str | None = None
+    extra: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def to_dict(self) -> dict[str, Any]:
+        data = asdict(self)
+        data["chain"] = list(self.chain)
+        return data
+
+    def explain(self) -> str:
+        """Multi-line text: the finding, where to change it, and how the wide dtype got there."""
+        lines = [f"[{self.severity}] {self.code} {self.kind} at {self.module or '<root>'} (node {self.node}): {self.message}"]
+        if self.source_line:
+            lines.append(f"  source: {self.source_line}")
+        if self.chain:
+            lines.append("  cause chain (latest first):")
+            lines.extend(f"    {link}" for link in self.chain)
+        if self.suggestion:
+            lines.append(f"  fix: {self.suggestion}")
+        return "\n".join(lines)
+
+
+def _explained(ann: GraphAnnotation, origin: str) -> tuple[int, list[NodeInfo]]:
+    prop = [i for i in ann.info.values() if origin in i.origin and i.kind == "propagation"]
+    stream = [i for i in ann.info.values() if origin in i.origin and i.stream and i.wide]
+    return len(prop), stream
+
+
+def _chain(ann: GraphAnnotation, info: NodeInfo, stream: list[NodeInfo]) -> tuple[str, ...]:
+    latest = stream[-1] if stream else info
+    return tuple(link.describe() for link in ann.chain(latest, stop=info.name))
+
+
+def _input_cause(info: NodeInfo, fsdp_cast_inputs: bool | None) -> str:
+    if re.search(r"cos|sin|freq|rope|rotary|position_embeddings", info.name, re.IGNORECASE):
+        return "an fp32 table such as RoPE cos/sin (intended; reported, never cast)"
+    if fsdp_cast_inputs:
+        return "FSDP2 cast_forward_inputs=True re-cast this unit's inputs to its gather dtype; under autocast set cast_forward_inputs=False"
+    return "the caller passed a wide tensor (under FSDP2: cast_forward_inputs re-casts unit inputs to the gather dtype)"
+
+
+def graph_findings(
+    ann: GraphAnnotation,
+    units: UnitIndex,
+    *,
+    graph_index: int = 0,
+    fsdp_cast_inputs: bool | None = None,
+    mismatches: list[tuple[NodeInfo, torch.dtype]] | None = None,
+) -> list[Finding]:
+    compute = ann.compute
+    out: list[Finding] = []
+    for info in ann.info.values():
+        if info.kind == "source":
+            props, stream = _explained(ann, info.name)
+            if not stream:
+                continue  # contained: the program narrows it again before any module boundary
+            weight = ann.info[info.wide_parent] if info.wide_parent is not None else None
+            wname = (weight.param if weight and weight.param else weight.name if weight else "a weight") or "a weight"
+            if info.source_kind == UNCOVERED:
+                message = (
+                    f"{op_name(info.node)} is not autocast-covered; it reads {wname} at {dtype_name(weight.dtype if weight else None)} "
+                    f"and emits {dtype_name(info.dtype)} into a {dtype_name(compute)} stream"
+                )
+                rule = f"{_rule_target(info, weight)}={dtype_name(compute)}"
+                fix = f"gather the weight at {dtype_name(compute)} (rule '{rule}') or cast the output"
+            else:
+                message = (
+                    f"{op_name(info.node)} mixes {wname} ({dtype_name(weight.dtype if weight else None)}) with a "
+                    f"{dtype_name(compute)} activation; type promotion makes the result {dtype_name(info.dtype)}"
+                )
+                fix = f"cast the weight or the result to {dtype_name(compute)}, or gather it at {dtype_name(compute)}"
+            out.append(
+                Finding(
+                    CODES[info.source_kind or UNCOVERED],
+                    "error",
+                    info.source_kind or UNCOVERED,
+                    info.module,
+                    info.unit,
+                    info.name,
+                    info.line,
+                    _chain(ann, info, stream),
+                    message + f"; explains {props} propagated node(s), {len(stream)} wide stream tensor(s)",
+                    graph_index,
+                    props,
+                    len(stream),
+                    fix,
+                )
+            )
+        elif info.kind == "intentional":
+            props, stream = _explained(ann, info.name)
+            if stream:
+                out.append(
+                    Finding(
+                        CODES["explicit-upcast"],
+                        "warn",
+                        "explicit-upcast",
+                        info.module,
+                        info.unit,
+                        info.name,
+                        info.line,
+                        _chain(ann, info, stream),
+                        f"{op_name(info.node)} produces {dtype_name(info.dtype)} as the program asked, and it leaks into the stream "
+                        f"({len(stream)} wide stream tensor(s), first at {stream[0].module or '<root>'})",
+                        graph_index,
+                        props,
+                        len(stream),
+                        "if the wide stream is intended, keep it (the backend never narrows it); "
+                        f"otherwise cast back to {dtype_name(compute)} before the module returns",
+                    )
+                )
+        elif info.kind == "input" and info.wide:
+            props, stream = _explained(ann, info.name)
+            leaks = [s for s in stream if s.node is not info.node]
+            out.append(
+                Finding(
+                    CODES["wide-input"],
+                    "warn" if leaks else "info",
+                    "wide-input",
+                    info.module,
+                    info.unit,
+                    info.name,
+                    info.line,
+                    _chain(ann, info, leaks),
+                    f"graph input {info.name} arrives {dtype_name(info.dtype)} (compute {dtype_name(compute)}); likely cause: "
+                    f"{_input_cause(info, fsdp_cast_inputs)}",
+                    graph_index,
+                    props,
+                    len(leaks),
+                )
+            )
+    out.extend(_round_trips(ann, graph_index))
+    for info, planned in mismatches or []:
+        out.append(
+            Finding(
+                CODES["plan-mismatch"],
+                "warn",
+                "plan-mismatch",
+                info.module,
+                info.unit,
+                info.name,
+                info.line,
+                (),
+                f"parameter {info.param} is seen at {dtype_name(info.dtype)}, the plan gathers it at {dtype_name(planned)}",
+                graph_index,
+                suggestion="apply the same plan with apply_fsdp2, or recompile the plan for this model",
+            )
+        )
+    out.extend(_wide_gathers(ann, units, graph_index))
+    return out
+
+
+def _rule_target(info: NodeInfo, weight: NodeInfo | None) -> str:
+    if weight is not None and weight.param:
+        owner = weight.param.rpartition(".")[0]
+        return f"*{owner.rsplit('.', 1)[-1]}" if owner else f"param:{weight.param}"
+    return info.module or "<module>"
+
+
+def _round_trips(ann: GraphAnnotation, graph_index: int) -> list[Finding]:
+    out = []
+    for node, info in ann.info.items():
+        if not is_cast(node) or not node.args or not isinstance(node.args[0], fx.Node):
+            continue
+        middle = node.args[0]
+        if not is_cast(middle) or not middle.args or not isinstance(middle.args[0], fx.Node):
+            continue
+        start = middle.args[0]
+        a, b, c = node_dtype(start), node_dtype(middle), info.dtype
+        if a is None or b is None or c is None or a != c or a == b or not (a.is_floating_point and b.is_floating_point):
+            continue
+        chain = (ann.info[start].describe(), ann.info[middle].describe(), info.describe())
+        out.append(
+            Finding(
+                CODES["round-trip-cast"],
+                "info",
+                "round-trip-cast",
+                info.module,
+                info.unit,
+                info.name,
+                source_line(node),
+                chain,
+                f"{dtype_name(a)} -> {dtype_name(b)} -> {dtype_name(c)} with no op between: both casts do nothing but move bytes",
+                graph_index,
+                suggestion="drop both casts",
+            )
+        )
+    return out
+
+
+def _covered_uses(ann: GraphAnnotation, node: fx.Node) -> bool | None:
+    """True if every use of a weight (through views) is an op autocast ran at compute dtype."""
+    uses = 0
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        if is_view(user):
+            stack.extend(user.users)
+            continue
+        uses += 1
+        info = ann.info.get(user)
+        if info is None or is_cast(user) or info.dtype != ann.compute or user.op == "output":
+            return False
+    return uses > 0 or None
+
+
+def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> list[Finding]:
+    compute = ann.compute
+    if compute is None:
+        return []
+    per_unit: dict[str, list[tuple[NodeInfo, bool | None]]] = {}
+    for node, info in ann.info.items():
+        if info.kind == "weight" and info.param_kind == "parameter" and info.unit is not None:
+            per_unit.setdefault(info.unit, []).append((info, _covered_uses(ann, node)))
+    out = []
+    for unit, weights in per_unit.items():
+        gather = units.units.get(unit)
+        if gather is None or not is_wide(gather, compute):
+            continue  # no known all-gather (no plan, no FSDP2 unit), or already gathered narrow
+        used = [(w, covered) for w, covered in weights if covered is not None]
+        if not used or not all(covered for _, covered in used) or not all(is_wide(w.dtype, compute) for w, _ in used):
+            continue
+        target = unit or "<root>"
+        rule = f"{unit}={dtype_name(compute)}" if unit else f"default_gather={dtype_name(compute)} (--gather {dtype_name(compute)})"
+        saved = sum(int(_numel(w)) * (w.dtype.itemsize - compute.itemsize) for w, _ in used if w.dtype is not None)
+        out.append(
+            Finding(
+                CODES["wide-gather"],
+                "info",
+                "wide-gather",
+                unit,
+                unit,
+                used[0][0].name,
+                None,
+                (),
+                f"unit {target} gathers {len(used)} weight(s) at {dtype_name(used[0][0].dtype)}, but every use is an autocast-covered "
+                f"op that runs at {dtype_name(compute)}: the all-gather could move {saved} fewer bytes per step",
+                graph_index,
+                suggestion=rule,
+            )
+        )
+    return out
+
+
+def _numel(info: NodeInfo) -> int:
+    value = info.node.meta.get("example_value", info.node.meta.get("val"))
+    try:
+        return int(value.numel())
+    except (AttributeError, TypeError):  # symbolic sizes: no byte figure
+        return 0

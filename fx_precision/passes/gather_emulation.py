@@ -1,0 +1,64 @@
+"""Gather emulation: on one device (no FSDP2) a parameter is seen at its master dtype; cast it at
+its use to the gather dtype its unit would all-gather at.
+
+    placeholder embed_tokens.weight (fp32, master)      placeholder embed_tokens.weight (fp32)
+        └── embedding(ids, w)                    ──▶        └── w.to(bf16)   <- inserted, gather of unit model.embed_tokens
+                                                                  └── embedding(ids, w_bf16)
+
+Under FSDP2 the graph already sees the gathered dtype and nothing is inserted. A parameter seen
+at a dtype that is neither its gather nor its master dtype is a plan mismatch, not emulated.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from fx_precision.dtypes import dtype_name
+from fx_precision.passes.annotate import GraphAnnotation, NodeInfo
+from fx_precision.passes.units import UnitIndex
+
+
+@dataclass(frozen=True)
+class InsertedCast:
+    node: str
+    of: str
+    to: str
+    reason: str
+    module: str
+
+
+def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[InsertedCast], list[tuple[NodeInfo, torch.dtype]]]:
+    """Insert ``param.to(gather)`` for parameters seen at master dtype; return (casts, mismatches)."""
+    graph = ann.gm.graph
+    first_op = next(n for n in graph.nodes if n.op != "placeholder")
+    casts: list[InsertedCast] = []
+    mismatches: list[tuple[NodeInfo, torch.dtype]] = []
+    for node, info in list(ann.info.items()):
+        if info.kind != "weight" or info.param_kind != "parameter" or info.param is None or info.dtype is None:
+            continue
+        planned = units.param(info.param)
+        if planned is None or info.dtype == planned.gather:
+            continue
+        if info.dtype != planned.master:
+            mismatches.append((info, planned.gather))
+            continue
+        with graph.inserting_before(first_op):
+            cast = graph.call_method("to", (node, planned.gather))
+        cast.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+        cast.meta["stack_trace"] = node.meta.get("stack_trace")
+        node.replace_all_uses_with(cast, delete_user_cb=lambda user, c=cast: user is not c)
+        casts.append(
+            InsertedCast(
+                cast.name,
+                info.param,
+                dtype_name(planned.gather),
+                f"gather emulation: unit {planned.unit or '<root>'} gathers {info.param} at {dtype_name(planned.gather)} "
+                f"(seen at master {dtype_name(info.dtype)})",
+                info.module,
+            )
+        )
+    if casts:
+        ann.gm.recompile()
+    return casts, mismatches

@@ -1,0 +1,137 @@
+"""Reading a Dynamo FX graph: a node's value and dtype, its module, its source line, its parameter.
+
+Dynamo records per node ``meta["example_value"]`` (a FakeTensor, or a tuple of them),
+``meta["nn_module_stack"]`` (outermost .. innermost module, as source strings such as
+``L['self'].model.layers.0``) and ``meta["stack_trace"]``. Parameters and buffers are lifted
+to placeholders named after their source (``l_self_modules_model_modules_embed_tokens_parameters_weight_``).
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import fx
+
+VIEW_METHODS = frozenset(
+    {"view", "reshape", "t", "transpose", "permute", "expand", "contiguous", "unsqueeze", "squeeze", "flatten", "view_as", "expand_as"}
+)
+CAST_METHODS = frozenset({"to", "float", "double", "half", "bfloat16", "type", "type_as"})
+VIEW_FUNCTIONS = frozenset({torch.reshape, torch.transpose, torch.permute, torch.squeeze, torch.unsqueeze, torch.flatten, torch.t})
+
+
+def node_value(node: fx.Node) -> Any:
+    return node.meta.get("example_value", node.meta.get("val"))
+
+
+def tensors_in(value: Any) -> list[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, (tuple, list)):
+        return [t for item in value for t in tensors_in(item)]
+    return []
+
+
+def node_dtype(node: fx.Node) -> torch.dtype | None:
+    """The node's dtype; for a tuple of tensors the widest floating one (else the first)."""
+    tensors = tensors_in(node_value(node))
+    if not tensors:
+        return None
+    floats = [t.dtype for t in tensors if t.dtype.is_floating_point]
+    if floats:
+        return max(floats, key=lambda d: d.itemsize)
+    return tensors[0].dtype
+
+
+def input_nodes(node: fx.Node) -> list[fx.Node]:
+    """Every node among ``node``'s args and kwargs (nested), in order, without repeats."""
+    found: list[fx.Node] = []
+
+    def visit(arg: Any) -> Any:
+        if isinstance(arg, fx.Node) and arg not in found:
+            found.append(arg)
+        return arg
+
+    fx.node.map_arg((node.args, node.kwargs), visit)
+    return found
+
+
+_ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\](\[\d+\])?")
+
+
+def normalise_source(text: str) -> str:
+    """``L['self']._modules['model'].layers[0]`` -> ``model.layers.0``."""
+    text = _ROOT.sub("", text)
+    text = re.sub(r"\._(?:modules|parameters|buffers)\[['\"]([^'\"]+)['\"]\]", r".\1", text)
+    text = re.sub(r"\[['\"]([^'\"]+)['\"]\]", r".\1", text)
+    text = re.sub(r"\[(\d+)\]", r".\1", text)
+    return text.lstrip(".")
+
+
+def module_path(node: fx.Node) -> str:
+    """FQN of the innermost module the node was traced in ("" for the traced root)."""
+    stack = node.meta.get("nn_module_stack") or {}
+    if not stack:
+        return ""
+    path, _ = list(stack.values())[-1]
+    return normalise_source(str(path))
+
+
+def source_line(node: fx.Node) -> str | None:
+    """``file:line in function: code`` of the innermost user frame in the node's stack trace."""
+    trace = node.meta.get("stack_trace")
+    if not trace:
+        return None
+    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+    if not frames:
+        return None
+    file, line, func, code = frames[-1]
+    return f"{file}:{line} in {func}: {code.strip()}"
+
+
+def op_name(node: fx.Node) -> str:
+    if node.op == "call_method":
+        return f".{node.target}"
+    if node.op == "call_function":
+        name = getattr(node.target, "__name__", str(node.target))
+        return {"add": "+", "mul": "*", "sub": "-", "truediv": "/", "iadd": "+=", "imul": "*="}.get(name, name)
+    if node.op == "call_module":
+        return f"module {node.target}"
+    return node.op
+
+
+_PARAM_MARK = re.compile(r"_(parameters|buffers)_")
+
+
+def placeholder_attr(node: fx.Node) -> tuple[str, str] | None:
+    """(``parameter`` | ``buffer``, lower-cased FQN key) of a lifted parameter/buffer placeholder."""
+    match = _PARAM_MARK.search(node.name)
+    if node.op != "placeholder" or match is None:
+        return None
+    kind = "parameter" if match.group(1) == "parameters" else "buffer"
+    body = node.name.removeprefix("l_").rstrip("_")
+    body = re.sub(r"^(self|args_\d+|fn|mod|model|kwargs_\w+?)_(?=modules_|parameters_|buffers_)", "", body)
+    body = re.sub(r"(?:^|_)(modules|parameters|buffers)_", ".", body).lstrip(".")
+    return kind, body.lower()
+
+
+def fqn_key(fqn: str) -> str:
+    """The lossy key a placeholder name keeps of an FQN (dots kept, lower case)."""
+    return fqn.lower()
+
+
+def is_cast(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target in CAST_METHODS
+
+
+def is_view(node: fx.Node) -> bool:
+    return (node.op == "call_method" and node.target in VIEW_METHODS) or (node.op == "call_function" and node.target in VIEW_FUNCTIONS)
+
+
+def float_tensor_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
+    for node in graph.nodes:
+        dtype = node_dtype(node)
+        if dtype is not None and dtype.is_floating_point:
+            yield node

@@ -1,0 +1,55 @@
+"""Re-run fake-tensor propagation over a Dynamo graph after it changed, under its autocast state.
+
+The graph's placeholders keep their fake example values; every other node's
+``meta["example_value"]`` is recomputed by interpreting the graph on them inside the graph's fake
+mode and ``torch.autocast(device_type, compute)``, so a cast inserted upstream shows in every
+dtype downstream.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+import torch
+from torch import fx
+from torch._guards import detect_fake_mode
+
+from fx_precision.passes.graph_nodes import node_value
+from fx_precision.policy import autocast_context
+
+
+def graph_device_type(gm: fx.GraphModule) -> str:
+    for node in gm.graph.nodes:
+        value = node_value(node)
+        if isinstance(value, torch.Tensor):
+            return value.device.type
+    return "cpu"
+
+
+class _Propagate(fx.Interpreter):
+    def __init__(self, gm: fx.GraphModule, fake_mode: Any) -> None:
+        super().__init__(gm)
+        self.fake_mode = fake_mode
+
+    def fetch_attr(self, target: str) -> Any:
+        value = super().fetch_attr(target)
+        if isinstance(value, torch.Tensor) and self.fake_mode is not None and not isinstance(value, torch._subclasses.FakeTensor):
+            return self.fake_mode.from_tensor(value)
+        return value
+
+    def run_node(self, n: fx.Node) -> Any:
+        result = super().run_node(n)
+        if n.op not in ("placeholder", "output"):
+            n.meta["example_value"] = result
+        return result
+
+
+def repropagate(gm: fx.GraphModule, compute: torch.dtype | None, device_type: str | None = None) -> None:
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    values = [node_value(n) for n in placeholders]
+    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    device_type = device_type or graph_device_type(gm)
+    ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
+    with ctx, autocast_context(compute, device_type if device_type != "meta" else "cpu"):
+        _Propagate(gm, fake_mode).run(*values)

@@ -1,0 +1,111 @@
+"""Small hand-written models with one dtype hazard each, for lint and backend tests."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class LlamaRMSNorm(nn.Module):
+    """``weight * x.to(input_dtype)``: an fp32 weight promotes the bf16 result back to fp32."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        h = x.to(torch.float32)
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)
+        return self.weight * h.to(input_dtype)
+
+
+class NormMLP(nn.Module):
+    """linear -> LlamaRMSNorm -> linear -> LlamaRMSNorm -> linear (two norms, two sources)."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(dim, dim)
+        self.norm1 = LlamaRMSNorm(dim)
+        self.mid = nn.Linear(dim, dim)
+        self.norm2 = LlamaRMSNorm(dim)
+        self.out = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(self.norm2(self.mid(self.norm1(self.inp(x)))))
+
+
+class SoftmaxFp32(nn.Module):
+    """Attention-like scores computed in fp32 and returned to the activation dtype: an fp32 island."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.o = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q = self.q(x)
+        probs = torch.softmax(q.float() @ q.float().transpose(-1, -2), dim=-1).to(q.dtype)
+        return self.o(probs @ q)
+
+
+class Fp32Residual(nn.Module):
+    """An intended fp32 residual stream: ``h = x.float() + block(x)`` flows out of the module."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.block = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x.float() + self.block(x)
+
+
+class ResidualOnWideInput(nn.Module):
+    """``x + mlp(x)``: a wide input keeps the residual wide."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.mlp = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class RoundTrip(nn.Module):
+    def __init__(self, dim: int = 16, between: bool = False) -> None:
+        super().__init__()
+        self.lin = nn.Linear(dim, dim)
+        self.between = between
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.lin(x)
+        wide = h.float()
+        if self.between:
+            wide = wide.exp()
+        return self.lin(wide.to(h.dtype))
+
+
+class EmbedMLP(nn.Module):
+    """``embed -> mlp(Linear, SiLU, Linear)``: the MLP's weights feed autocast-covered linears only."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.SiLU(), nn.Linear(dim, dim))
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.mlp(self.embed(ids).to(torch.bfloat16))
+
+
+class WithGraphBreak(nn.Module):
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.a = nn.Linear(dim, dim)
+        self.b = nn.Linear(dim, dim)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        h = h + self.a(h)
+        torch._dynamo.graph_break()
+        return h + self.b(h)
