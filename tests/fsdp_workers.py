@@ -108,3 +108,30 @@ def default_vs_plain_wrap(rank: int, world_size: int, model_name: str) -> dict[s
         "rules": len(policy.spec),
         "cast_forward_inputs": policy.cast_forward_inputs,
     }
+
+
+def per_block_compile(rank: int, world_size: int, cast_forward_inputs: bool) -> dict[str, Any] | None:
+    """Tiny Qwen3.5 under FSDP2 (embedding at bf16 by the arch rule), each decoder layer compiled
+    with precision_backend (aot_eager) using the plan apply_fsdp2 applied; one fwd+bwd."""
+    from fx_precision.backend import make_precision_backend
+    from tests.aot_inner import aot_eager_reshape
+
+    model = build_model("qwen3_5-tiny")
+    policy = resolve_policy(model, gather="fp32", compute="bf16", cast_forward_inputs=cast_forward_inputs)
+    plan = policy.plan(model, wrap=layer_wrap_globs(model))
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=cast_forward_inputs)
+    backend = make_precision_backend(plan=plan, inner=aot_eager_reshape)
+    for layer in model.model.layers:
+        layer.compile(backend=backend)
+    ids = token_batch(model, batch=2, seq_len=16, seed=rank)
+    with policy.forward_context("cpu"):
+        logits = logits_of(model(ids, use_cache=False))
+    logits.float().pow(2).mean().backward()
+    grads = {n: (p.grad.dtype if p.grad is not None else None) for n, p in model.named_parameters()}
+    if rank != 0:
+        return None
+    return {
+        "reports": [r.to_dict() for r in backend.reports],
+        "grad_dtypes": grads,
+        "logits_dtype": logits.dtype,
+    }

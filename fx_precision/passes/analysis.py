@@ -20,6 +20,7 @@ import torch
 from torch import fx
 
 from fx_precision.passes.annotate import GraphAnnotation, annotate, param_names
+from fx_precision.passes.dtype_following import narrowed_map, retarget_dtype_following
 from fx_precision.passes.findings import Finding, graph_findings, severity_rank
 from fx_precision.passes.gather_emulation import InsertedCast, emulate_gathers
 from fx_precision.passes.graph_census import GraphCensus, graph_census
@@ -34,6 +35,7 @@ class GraphAnalysis:
     findings: list[Finding]
     census: GraphCensus
     gather_casts: list[InsertedCast] = field(default_factory=list)
+    retargeted: list[InsertedCast] = field(default_factory=list)
 
     @property
     def worst_severity(self) -> str | None:
@@ -74,11 +76,22 @@ def analyse_graph(
     params = param_names(gm, example_inputs, known_names)
     ann = annotate(gm, compute, units, params)
     casts: list[InsertedCast] = []
+    retargeted: list[InsertedCast] = []
     mismatches = []
     if emulate:
         casts, mismatches = emulate_gathers(ann, units)
         if casts:
-            repropagate(gm, compute, device_type)
+            retargeted = settle_rewrite(gm, casts, compute, device_type, before=ann)
             ann = annotate(gm, compute, units, params)
     findings = graph_findings(ann, units, graph_index=index, fsdp_cast_inputs=fsdp_cast_inputs, mismatches=mismatches)
-    return GraphAnalysis(index, ann, findings, graph_census(ann), casts)
+    return GraphAnalysis(index, ann, findings, graph_census(ann), casts, retargeted)
+
+
+def settle_rewrite(
+    gm: fx.GraphModule, casts: list[InsertedCast], compute: torch.dtype | None, device_type: str | None, *, before: GraphAnnotation
+) -> list[InsertedCast]:
+    """After inserting ``casts``: retarget the dtype-following casts they invalidate, re-propagate dtypes."""
+    narrowed = narrowed_map(casts, compute)
+    retargeted = retarget_dtype_following(gm, narrowed, {c.node for c in casts}, before) if narrowed else []
+    repropagate(gm, compute, device_type)
+    return retargeted

@@ -226,7 +226,9 @@ def _round_trips(ann: GraphAnnotation, graph_index: int) -> list[Finding]:
             continue
         start = middle.args[0]
         a, b, c = node_dtype(start), node_dtype(middle), info.dtype
-        if a is None or b is None or c is None or a != c or a == b or not (a.is_floating_point and b.is_floating_point):
+        if a is None or b is None or c is None or a != c or not (a.is_floating_point and b.is_floating_point):
+            continue
+        if a.itemsize >= b.itemsize:  # only narrow -> wide -> narrow is lossless; fp32 -> bf16 -> fp32 rounds
             continue
         chain = (ann.info[start].describe(), ann.info[middle].describe(), info.describe())
         out.append(

@@ -22,8 +22,11 @@ from fx_precision.passes.units import UnitIndex
 
 @dataclass(frozen=True)
 class InsertedCast:
+    """A cast the pass inserted (or retargeted): ``node`` reads ``of`` at ``frm`` and makes ``to``."""
+
     node: str
     of: str
+    frm: str
     to: str
     reason: str
     module: str
@@ -53,6 +56,7 @@ def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[Insert
             InsertedCast(
                 cast.name,
                 info.param,
+                dtype_name(info.dtype),
                 dtype_name(planned.gather),
                 f"gather emulation: unit {planned.unit or '<root>'} gathers {info.param} at {dtype_name(planned.gather)} "
                 f"(seen at master {dtype_name(info.dtype)})",

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from torch import fx
 from torch._guards import detect_fake_mode
+from torch._subclasses.fake_tensor import FakeTensor
 
 from fx_precision.passes.graph_nodes import node_value
 from fx_precision.policy import autocast_context
@@ -34,7 +35,7 @@ class _Propagate(fx.Interpreter):
 
     def fetch_attr(self, target: str) -> Any:
         value = super().fetch_attr(target)
-        if isinstance(value, torch.Tensor) and self.fake_mode is not None and not isinstance(value, torch._subclasses.FakeTensor):
+        if isinstance(value, torch.Tensor) and self.fake_mode is not None and not isinstance(value, FakeTensor):
             return self.fake_mode.from_tensor(value)
         return value
 
@@ -48,7 +49,10 @@ class _Propagate(fx.Interpreter):
 def repropagate(gm: fx.GraphModule, compute: torch.dtype | None, device_type: str | None = None) -> None:
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     values = [node_value(n) for n in placeholders]
-    fake_mode = detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
+    # the mode the node metadata lives in; inside a backend the TracingContext already holds the
+    # fresh fake mode Dynamo made for the backend, which must not be mixed with these values
+    fakes = [v for v in values if isinstance(v, FakeTensor)]
+    fake_mode = fakes[0].fake_mode if fakes else detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     device_type = device_type or graph_device_type(gm)
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
     with ctx, autocast_context(compute, device_type if device_type != "meta" else "cpu"):

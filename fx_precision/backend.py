@@ -1,0 +1,232 @@
+"""``precision_backend``: enforce the precision contract inside ``torch.compile``, then hand the graph on.
+
+    torch.compile(model, backend=precision_backend)
+      Dynamo graph ─▶ analyse_graph (annotate, emulate gathers)          <- the analysis lint uses
+                   ─▶ cast each source's output to compute dtype         (source_casts.py)
+                   ─▶ re-propagate, analyse again, verify                (enforce: raise on errors)
+                   ─▶ inner compiler: "inductor" | "aot_eager" | any backend callable
+
+Modes: ``enforce`` (fix, verify, raise ``PrecisionError`` if an error-severity finding remains;
+``strict=True`` also raises on warnings), ``lint`` (report only, graph unchanged), ``off``.
+Every compiled graph leaves a ``GraphReport`` in ``backend.reports``; ``TORCH_LOGS=fx_precision``
+(or ``FX_PRECISION_LOG=1``) logs each one.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import fx
+
+from fx_precision.dtypes import dtype_name
+from fx_precision.errors import PrecisionError
+from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module, settle_rewrite
+from fx_precision.passes.findings import Finding, severity_rank
+from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.source_casts import cast_sources
+from fx_precision.passes.units import UnitIndex
+from fx_precision.plan import PrecisionPlan
+from fx_precision.policy import PrecisionPolicy
+
+log = logging.getLogger("fx_precision.backend")
+MODES = ("enforce", "lint", "off")
+
+
+# TORCH_LOGS=fx_precision is handled by torch._logging itself (it accepts Python module names and
+# configures that logger); FX_PRECISION_LOG=1 is the opt-in for runs that do not use TORCH_LOGS.
+if os.environ.get("FX_PRECISION_LOG", "") not in ("", "0") and not log.handlers:
+    _handler = logging.StreamHandler()
+    _handler.setFormatter(logging.Formatter("[fx_precision] %(message)s"))
+    log.addHandler(_handler)
+    log.setLevel(logging.INFO)
+
+
+@dataclass
+class GraphReport:
+    """What the pass saw and did to one compiled graph."""
+
+    index: int
+    mode: str
+    compute: torch.dtype | None
+    before: list[Finding] = field(default_factory=list)
+    after: list[Finding] = field(default_factory=list)
+    casts: list[InsertedCast] = field(default_factory=list)
+    pass_seconds: float = 0.0
+    inner_seconds: float = 0.0
+    stream_before: dict[str, int] = field(default_factory=dict)
+    stream_after: dict[str, int] = field(default_factory=dict)
+    note: str = ""
+
+    def casts_for(self, reason_prefix: str) -> list[InsertedCast]:
+        return [c for c in self.casts if c.reason.startswith(reason_prefix)]
+
+    @property
+    def gather_casts(self) -> list[InsertedCast]:
+        return self.casts_for("gather emulation")
+
+    @property
+    def source_casts(self) -> list[InsertedCast]:
+        return self.casts_for("FXP0")
+
+    @property
+    def retargeted(self) -> list[InsertedCast]:
+        return self.casts_for("dtype-following")
+
+    def summary(self) -> str:
+        lines = [
+            f"graph {self.index} ({self.mode}, compute {dtype_name(self.compute) if self.compute else 'none'}): "
+            f"{len(self.before)} finding(s) before, {len(self.after)} after; {len(self.casts)} cast(s) inserted; "
+            f"stream {self.stream_before} -> {self.stream_after}; "
+            f"pass {self.pass_seconds * 1e3:.1f} ms, inner compile {self.inner_seconds:.2f} s" + (f"; {self.note}" if self.note else "")
+        ]
+        lines.extend(f"  + {c.node}: {c.of} {c.frm} -> {c.to} in {c.module or '<root>'} ({c.reason})" for c in self.casts)
+        lines.extend(f"  ! {f.code} {f.kind} [{f.severity}] at {f.module or '<root>'}: {f.message}" for f in self.after)
+        return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "index": self.index,
+            "mode": self.mode,
+            "compute": dtype_name(self.compute) if self.compute else None,
+            "before": [f.to_dict() for f in self.before],
+            "after": [f.to_dict() for f in self.after],
+            "casts": [c.__dict__ for c in self.casts],
+            "pass_seconds": self.pass_seconds,
+            "inner_seconds": self.inner_seconds,
+            "stream_before": self.stream_before,
+            "stream_after": self.stream_after,
+            "note": self.note,
+        }
+
+
+def _inner_compiler(inner: str | Callable[..., Any]) -> Callable[..., Any]:
+    if callable(inner):
+        return inner
+    from torch._dynamo import lookup_backend
+
+    return lookup_backend(inner)
+
+
+def _graph_device_type(example_inputs: list[Any]) -> str:
+    for value in example_inputs:
+        if isinstance(value, torch.Tensor) and value.device.type != "meta":
+            return value.device.type
+    return "cpu"
+
+
+class PrecisionBackend:
+    """A Dynamo backend ``(gm, example_inputs) -> callable`` enforcing a precision policy/plan."""
+
+    def __init__(
+        self,
+        policy: PrecisionPolicy | None = None,
+        plan: PrecisionPlan | None = None,
+        inner: str | Callable[..., Any] = "inductor",
+        mode: str = "enforce",
+        strict: bool = False,
+    ) -> None:
+        if mode not in MODES:
+            raise PrecisionError(f"make_precision_backend(mode={mode!r}): use one of {', '.join(MODES)}")
+        self.policy = policy
+        self.plan = plan
+        self.inner = inner
+        self.mode = mode
+        self.strict = strict
+        self.units = UnitIndex.from_plan(plan) if plan is not None else UnitIndex.from_units({"": None})
+        self.reports: list[GraphReport] = []
+
+    def _compute(self, device_type: str) -> torch.dtype | None:
+        if self.policy is not None:
+            return self.policy.compute
+        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+
+    def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
+        start = time.perf_counter()
+        device_type = _graph_device_type(example_inputs)
+        compute = self._compute(device_type)
+        report = GraphReport(len(self.reports), self.mode, compute)
+        self.reports.append(report)
+        if self.mode == "off" or (compute is None and self.plan is None):
+            report.note = "pass off" if self.mode == "off" else "no autocast and no plan: nothing to enforce"
+        elif self.mode == "lint":
+            analysis = self._analyse(copy_graph_module(gm), example_inputs, compute, report.index, device_type)
+            report.before = report.after = analysis.findings
+            report.stream_before = report.stream_after = analysis.census.stream
+        else:
+            self._enforce(gm, example_inputs, compute, report, device_type)
+        report.pass_seconds = time.perf_counter() - start
+        inner_start = time.perf_counter()
+        compiled = _inner_compiler(self.inner)(gm, example_inputs)
+        report.inner_seconds = time.perf_counter() - inner_start
+        if log.isEnabledFor(logging.INFO):
+            log.info(report.summary())
+        return compiled
+
+    def _analyse(
+        self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str, emulate: bool = True
+    ) -> GraphAnalysis:
+        return analyse_graph(
+            gm,
+            example_inputs,
+            compute=compute,
+            units=self.units,
+            emulate=emulate and self.plan is not None,
+            index=index,
+            device_type=device_type,
+        )
+
+    def _enforce(
+        self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, report: GraphReport, device_type: str
+    ) -> None:
+        first = self._analyse(gm, example_inputs, compute, report.index, device_type)
+        report.before = first.findings
+        report.stream_before = first.census.stream
+        report.casts = [*first.gather_casts, *first.retargeted]
+        if compute is not None and first.sources:
+            sources = cast_sources(first.annotation, first.sources, compute)
+            report.casts += sources + settle_rewrite(gm, sources, compute, device_type, before=first.annotation)
+        final = self._analyse(gm, example_inputs, compute, report.index, device_type, emulate=False) if report.casts else first
+        report.after = final.findings
+        report.stream_after = final.census.stream
+        threshold = "warn" if self.strict else "error"
+        failing = [f for f in final.findings if severity_rank(f.severity) >= severity_rank(threshold)]
+        if failing:
+            details = "\n".join(f.explain() for f in failing)
+            raise PrecisionError(
+                f"precision_backend (enforce{', strict' if self.strict else ''}): {len(failing)} finding(s) remain after the pass "
+                f"in graph {report.index}:\n{details}"
+            )
+
+
+def make_precision_backend(
+    policy: PrecisionPolicy | None = None,
+    plan: PrecisionPlan | None = None,
+    inner: str | Callable[..., Any] = "inductor",
+    mode: str = "enforce",
+    strict: bool = False,
+) -> PrecisionBackend:
+    """A backend for ``torch.compile(model, backend=...)``; see the module docstring."""
+    return PrecisionBackend(policy=policy, plan=plan, inner=inner, mode=mode, strict=strict)
+
+
+precision_backend = PrecisionBackend()
+"""Ready-made: compute dtype from the autocast state captured with the graph, no plan, Inductor."""
+
+
+def _register() -> None:
+    from torch._dynamo.backends.registry import _BACKENDS, _COMPILER_FNS, register_backend
+
+    if "fx_precision" in _COMPILER_FNS:
+        return
+    if _BACKENDS.get("fx_precision") is not None:
+        return  # torch is loading us through the torch_dynamo_backends entry point and registers what it loads
+    register_backend(name="fx_precision")(precision_backend)
+
+
+_register()
