@@ -150,6 +150,29 @@ def cmd_lint(args: argparse.Namespace) -> int:
     return 1 if report.reaches(args.fail_on) else 0
 
 
+def cmd_bench(args: argparse.Namespace) -> int:
+    from fx_precision.bench import render, run_benchmark, save_json
+
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PrecisionError("--device cuda: no CUDA device is visible to this torch build; run on a GPU machine or use --device cpu")
+    quick = args.quick
+    result = run_benchmark(
+        model_name=args.model or ("qwen3_5-tiny" if quick else "qwen3_5-4b-slice"),
+        batch=args.batch or (2 if quick else 1),
+        seq_len=args.seq_len or (64 if quick else 128),
+        steps=args.steps or 5,
+        device=args.device,
+    )
+    result["command"] = "fx-precision bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fx-precision bench"
+    if args.json:
+        save_json(result, args.json)
+    print(render(result))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fx-precision",
@@ -189,6 +212,21 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--fail-on", default="error", choices=["info", "warn", "error"], help="exit 1 when a finding reaches this severity")
     p.add_argument("--dot", metavar="FILE", help="write the module-level dtype flow as Graphviz DOT")
     p.set_defaults(handler=cmd_lint)
+
+    p = sub.add_parser(
+        "bench",
+        help="fwd+bwd throughput, kernels and bytes: eager, default Inductor, precision_backend, pure-bf16 limit",
+        description="Runs every variant (fp32 master, bf16 autocast) in this process and prints what it measured. "
+        "Default model: the Qwen3.5-4B slice (4B layer dimensions, one linear- and one full-attention layer).",
+    )
+    p.add_argument("--model", default=None, help="model name (default qwen3_5-4b-slice; --quick: qwen3_5-tiny)")
+    p.add_argument("--batch", type=int, default=None, help="batch size (default 1; --quick: 2)")
+    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 128; --quick: 64)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5; --quick: 5)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda times with CUDA events)")
+    p.add_argument("--quick", action="store_true", help="tiny Qwen3.5, small batch: minutes on a CPU")
+    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
+    p.set_defaults(handler=cmd_bench)
 
     p = sub.add_parser(
         "demo",

@@ -12,6 +12,7 @@ LintReport
 
 from __future__ import annotations
 
+import contextlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -205,7 +206,8 @@ def lint(
 
     wrapped = fsdp_units(model)
     fsdp_cast = any(mp.cast_forward_inputs for _, mp in wrapped) if wrapped else None
-    with torch.autocast(device_type, enabled=False) if compute is None else contextlib_null():
+    # a policy without compute dtype overrides an ambient autocast: trace with autocast off
+    with torch.autocast(device_type, enabled=False) if compute is None else contextlib.nullcontext():
         captured, names = capture_graphs(
             model, args, kwargs, dynamic=dynamic, device_type=device_type, autocast=autocast_context(compute, device_type)
         )
@@ -225,9 +227,3 @@ def lint(
             )
         )
     return report
-
-
-def contextlib_null() -> Any:
-    import contextlib
-
-    return contextlib.nullcontext()

@@ -42,7 +42,7 @@ def qwen3_5_config(name: str) -> Any:
     if name == "qwen3_5-tiny":
         kwargs: dict[str, Any] = dict(
             vocab_size=256,
-            hidden_size=64,
+            hidden_size=48,
             intermediate_size=128,
             num_hidden_layers=4,
             num_attention_heads=4,

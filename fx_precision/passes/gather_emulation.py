@@ -17,6 +17,7 @@ import torch
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.passes.annotate import GraphAnnotation, NodeInfo
+from fx_precision.passes.graph_nodes import redirect_through_cast
 from fx_precision.passes.units import UnitIndex
 
 
@@ -47,11 +48,7 @@ def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[Insert
         if info.dtype != planned.master:
             mismatches.append((info, planned.gather))
             continue
-        with graph.inserting_before(first_op):
-            cast = graph.call_method("to", (node, planned.gather))
-        cast.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
-        cast.meta["stack_trace"] = node.meta.get("stack_trace")
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user, c=cast: user is not c)
+        cast = redirect_through_cast(node, planned.gather, before=first_op)
         casts.append(
             InsertedCast(
                 cast.name,

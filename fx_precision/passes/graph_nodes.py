@@ -135,3 +135,15 @@ def float_tensor_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
         dtype = node_dtype(node)
         if dtype is not None and dtype.is_floating_point:
             yield node
+
+
+def redirect_through_cast(node: fx.Node, dtype: torch.dtype, *, before: fx.Node | None = None) -> fx.Node:
+    """Insert ``node.to(dtype)`` (right after ``node``, or before ``before``) and route every other
+    use of ``node`` through it; the cast inherits ``node``'s module stack and stack trace."""
+    graph = node.graph
+    with graph.inserting_before(before) if before is not None else graph.inserting_after(node):
+        cast = graph.call_method("to", (node, dtype))
+    cast.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+    cast.meta["stack_trace"] = node.meta.get("stack_trace")
+    node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
+    return cast

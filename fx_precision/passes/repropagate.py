@@ -55,5 +55,6 @@ def repropagate(gm: fx.GraphModule, compute: torch.dtype | None, device_type: st
     fake_mode = fakes[0].fake_mode if fakes else detect_fake_mode([v for v in values if isinstance(v, torch.Tensor)])
     device_type = device_type or graph_device_type(gm)
     ctx = fake_mode if fake_mode is not None else contextlib.nullcontext()
-    with ctx, autocast_context(compute, device_type if device_type != "meta" else "cpu"):
+    # no_grad: only dtypes are wanted, and the user's autograd hooks (saved-tensor hooks) must not see fakes
+    with ctx, torch.no_grad(), autocast_context(compute, device_type if device_type != "meta" else "cpu"):
         _Propagate(gm, fake_mode).run(*values)

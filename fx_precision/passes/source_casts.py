@@ -14,21 +14,17 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.passes.annotate import GraphAnnotation
 from fx_precision.passes.findings import Finding
 from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.graph_nodes import redirect_through_cast
 
 
 def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dtype) -> list[InsertedCast]:
-    graph = ann.gm.graph
     casts = []
     for finding in sources:
         info = ann.by_name(finding.node)
         node = info.node
         if not isinstance(node.meta.get("example_value"), torch.Tensor):
             continue  # a tuple-valued source: its getitems would need casting; not produced by the analysis today
-        with graph.inserting_after(node):
-            cast = graph.call_method("to", (node, compute))
-        cast.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
-        cast.meta["stack_trace"] = node.meta.get("stack_trace")
-        node.replace_all_uses_with(cast, delete_user_cb=lambda user, c=cast: user is not c)
+        cast = redirect_through_cast(node, compute)
         casts.append(
             InsertedCast(
                 cast.name,

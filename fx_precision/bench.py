@@ -1,0 +1,370 @@
+"""The throughput benchmark: what the fp32 leak costs under default Inductor, what the backend wins back.
+
+    variants (fp32 master weights, bf16 autocast unless said)
+    ├── eager as-is                 fp32 gather: the embedding seeds an fp32 stream
+    ├── eager both fixes            embedding gathered (cast at use) at bf16
+    ├── inductor                    torch.compile, default Inductor
+    ├── precision_backend + plan    torch.compile(backend=precision_backend), embedding gathered at bf16
+    ├── precision_backend           the same with no plan rule: the pass casts the embedding's output
+    └── pure bf16 limit             the whole model converted to bf16, default Inductor
+
+    per variant: fwd+bwd step time (median, min-max), tokens/s, ratio to Inductor; generated kernels
+    and how many touch an fp32 activation buffer; kernel bytes by dtype (externs apart); float
+    bytes saved for backward; peak memory (CUDA); compile time and the pass's share.
+
+Every figure is measured in the run that prints it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import json
+import os
+import platform
+import statistics
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from tabulate import tabulate
+from torch import nn
+
+from fx_precision.backend import make_precision_backend
+from fx_precision.dtypes import dtype_name
+from fx_precision.kernel_census import census_of_code, summary
+from fx_precision.plan import PrecisionPlan, compile_precision
+from fx_precision.spec import parse_precision_rules
+from fx_precision.zoo import build_model, forward_kwargs, logits_of, token_batch, vocab_size
+
+EMBED_RULE = "*embed_tokens=bf16"
+
+
+@dataclass(frozen=True)
+class Variant:
+    name: str
+    compiled: bool
+    meaning: str
+
+
+VARIANTS = (
+    Variant("eager as-is", False, "fp32 gather: F.embedding seeds an fp32 stream"),
+    Variant("eager both fixes", False, "embedding gathered at bf16 (cast at use)"),
+    Variant("inductor", True, "torch.compile, default Inductor"),
+    Variant("precision_backend + plan", True, f"backend with plan '{EMBED_RULE}'"),
+    Variant("precision_backend", True, "backend, no plan: casts the embedding output"),
+    Variant("pure bf16 limit", True, "model converted to bf16, default Inductor"),
+)
+
+
+# ---------------------------------------------------------------------------------------------
+# machine
+# ---------------------------------------------------------------------------------------------
+
+
+def machine_info(device: str) -> dict[str, Any]:
+    info: dict[str, Any] = {"torch": torch.__version__, "python": platform.python_version(), "device": device}
+    flags: set[str] = set()
+    with contextlib.suppress(OSError):
+        text = open("/proc/cpuinfo").read()
+        for line in text.splitlines():
+            if line.startswith("model name") and "cpu" not in info:
+                info["cpu"] = line.split(":", 1)[1].strip()
+            if line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    info["cpu_cores"] = os.cpu_count()
+    info["cpu_native_bf16"] = bool(flags & {"avx512_bf16", "amx_bf16"})
+    info["cpu_bf16_flags"] = sorted(flags & {"avx512_bf16", "amx_bf16", "avx512f", "avx2"})
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["cuda"] = torch.version.cuda
+    return info
+
+
+# ---------------------------------------------------------------------------------------------
+# measurement
+# ---------------------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
+    """Eager gather emulation: each module's planned-narrower parameters are cast at its forward."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    originals: list[tuple[nn.Module, Callable[..., Any]]] = []
+    modules = dict(model.named_modules())
+    for unit in plan.units:
+        for fqn in unit.params:
+            planned = plan.params[fqn]
+            owner_fqn, _, name = fqn.rpartition(".")
+            owner = modules[owner_fqn]
+            if planned.gather == owner.get_parameter(name).dtype or any(o is owner for o, _ in originals):
+                continue
+            original = owner.forward
+
+            def forward(*args: Any, _owner: nn.Module = owner, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
+                cast = {n: p.to(plan.param(f"{owner_path(model, _owner)}.{n}").gather) for n, p in _owner.named_parameters(recurse=False)}
+                with _reparametrize_module(_owner, cast):
+                    return _orig(*args, **kwargs)
+
+            owner.forward = forward  # type: ignore[method-assign]
+            originals.append((owner, original))
+    try:
+        yield
+    finally:
+        for owner, original in originals:
+            owner.forward = original  # type: ignore[method-assign]
+
+
+def owner_path(model: nn.Module, module: nn.Module) -> str:
+    return next(fqn for fqn, m in model.named_modules() if m is module)
+
+
+class _SavedBytes:
+    """Float bytes autograd saves for backward during a forward (parameters excluded, deduplicated)."""
+
+    def __init__(self, params: set[int], tokens: int) -> None:
+        self.params = params
+        self.tokens = tokens
+        self.seen: set[tuple[int, int, torch.dtype]] = set()
+        self.by_dtype: Counter[str] = Counter()
+        self.activations: Counter[str] = Counter()
+
+    def pack(self, t: torch.Tensor) -> torch.Tensor:
+        if t.dtype.is_floating_point and t.untyped_storage().data_ptr() not in self.params:
+            key = (t.untyped_storage().data_ptr(), t.numel(), t.dtype)
+            if key not in self.seen:
+                self.seen.add(key)
+                nbytes = t.numel() * t.element_size()
+                self.by_dtype[dtype_name(t.dtype)] += nbytes
+                if _per_token(tuple(t.shape), self.tokens):
+                    self.activations[dtype_name(t.dtype)] += nbytes
+        return t
+
+
+def _per_token(shape: tuple[int, ...], tokens: int) -> bool:
+    """Leading dims multiply to the batch's token count (an activation, not a weight copy)."""
+    lead = 1
+    for dim in shape:
+        lead *= dim
+        if lead == tokens:
+            return True
+        if lead > tokens:
+            return False
+    return False
+
+
+def stream_width(model: nn.Module) -> int:
+    """The residual-stream width: ``config.hidden_size``, else the first embedding's dimension."""
+    hidden = getattr(getattr(model, "config", None), "hidden_size", None)
+    if hidden:
+        return int(hidden)
+    embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
+    if embedding is None:
+        raise ValueError(f"{type(model).__name__}: no config.hidden_size and no nn.Embedding to read the stream width from")
+    return embedding.embedding_dim
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _timed_steps(
+    step: Callable[..., None], variant: Variant, device: str, steps: int, warmup: int, codes: list[str]
+) -> tuple[list[float], float]:
+    """First step (compiles; its generated code lands in ``codes``), warm-up, then ``steps`` timed ones."""
+    start = time.perf_counter()
+    if variant.compiled:
+        from torch._inductor.utils import run_and_get_code
+
+        _, generated = run_and_get_code(step)
+        codes.extend(generated)
+    else:
+        step()
+    _sync(device)
+    first_step = time.perf_counter() - start
+    step(record=True)  # warm-up, and the saved-for-backward census
+    for _ in range(warmup - 1):
+        step()
+    times = []
+    for _ in range(steps):
+        if device == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(begin.elapsed_time(end) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+    return times, first_step
+
+
+def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, steps: int, device: str, warmup: int = 1) -> dict[str, Any]:
+    torch._dynamo.reset()
+    gc.collect()
+    if device == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = build_model(model_name, seed=0).to(device)
+    if variant.name == "pure bf16 limit":
+        model.to(torch.bfloat16)
+    ids = token_batch(model, batch=batch, seq_len=seq_len, seed=1, device=device)
+    kwargs = forward_kwargs(model)
+    plan = compile_precision(model, parse_precision_rules(EMBED_RULE), default_gather="fp32")
+    backend: Any = None
+    if variant.name == "precision_backend + plan":
+        backend = make_precision_backend(plan=plan)
+    elif variant.name == "precision_backend":
+        backend = make_precision_backend()
+    forward: Callable[..., Any] = model
+    if variant.compiled:
+        forward = torch.compile(model, backend=backend or "inductor")
+    fix = gathered_eagerly(model, plan) if variant.name == "eager both fixes" else contextlib.nullcontext()
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    saved = _SavedBytes(params, batch * seq_len)
+
+    def step(record: bool = False) -> None:
+        for p in model.parameters():
+            p.grad = None
+        hooks = torch.autograd.graph.saved_tensors_hooks(saved.pack, lambda t: t) if record else contextlib.nullcontext()
+        with torch.autocast(device, dtype=torch.bfloat16), hooks:
+            logits = logits_of(forward(ids, **kwargs))
+        loss = F.cross_entropy(logits[:, :-1].flatten(0, 1).float(), ids[:, 1:].flatten())
+        loss.backward()
+
+    codes: list[str] = []
+    with fix:
+        times, first_step = _timed_steps(step, variant, device, steps, warmup, codes)
+    median = statistics.median(times)
+    result: dict[str, Any] = {
+        "variant": variant.name,
+        "meaning": variant.meaning,
+        "step_seconds": {"median": median, "min": min(times), "max": max(times), "n": len(times)},
+        "tokens_per_second": batch * seq_len / median,
+        "saved_for_backward_bytes": dict(saved.by_dtype),
+        "saved_for_backward_bytes_total": sum(saved.by_dtype.values()),
+        "saved_activation_bytes": dict(saved.activations),
+        "saved_activation_bytes_total": sum(saved.activations.values()),
+    }
+    if device == "cuda":
+        result["peak_memory_bytes"] = torch.cuda.max_memory_allocated()
+    if variant.compiled:
+        param_shapes = {tuple(p.shape) for p in model.parameters()}
+        widths = {stream_width(model), vocab_size(model)}
+        result["kernels"] = summary(census_of_code(codes), tokens=batch * seq_len, param_shapes=param_shapes, stream_widths=widths)
+        pass_seconds = sum(r.pass_seconds for r in backend.reports) if backend is not None else 0.0
+        compile_seconds = max(first_step - median, 0.0)
+        result["compile_seconds"] = compile_seconds
+        result["pass_seconds"] = pass_seconds
+        result["pass_share_of_compile"] = pass_seconds / compile_seconds if compile_seconds else None
+        if backend is not None:
+            result["graphs"] = len(backend.reports)
+            result["casts"] = [c.__dict__ for r in backend.reports for c in r.casts]
+    return result  # the model and its compiled forward go out of scope here
+
+
+def run_benchmark(
+    *, model_name: str, batch: int, seq_len: int, steps: int, device: str, variants: tuple[Variant, ...] = VARIANTS
+) -> dict[str, Any]:
+    import torch._functorch.config as functorch_config
+    import torch._inductor.config as inductor_config
+
+    # every variant compiles from scratch: no FX-graph / AOT-autograd cache hits across variants
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+        rows = [run_variant(v, model_name=model_name, batch=batch, seq_len=seq_len, steps=steps, device=device) for v in variants]
+    by_name = {r["variant"]: r for r in rows}
+    base = by_name.get("inductor")
+    limit = by_name.get("pure bf16 limit")
+    for r in rows:
+        if base:
+            r["time_vs_inductor"] = r["step_seconds"]["median"] / base["step_seconds"]["median"]
+            r["saved_bytes_vs_inductor"] = r["saved_for_backward_bytes_total"] / max(base["saved_for_backward_bytes_total"], 1)
+            r["saved_activation_bytes_vs_inductor"] = r["saved_activation_bytes_total"] / max(base["saved_activation_bytes_total"], 1)
+        if "kernels" in r and base and limit:
+            r["activation_bytes_vs_inductor"] = r["kernels"]["activation_bytes_total"] / max(base["kernels"]["activation_bytes_total"], 1)
+            r["activation_bytes_vs_limit"] = r["kernels"]["activation_bytes_total"] / max(limit["kernels"]["activation_bytes_total"], 1)
+    return {
+        "model": model_name,
+        "batch": batch,
+        "seq_len": seq_len,
+        "steps": steps,
+        "machine": machine_info(device),
+        "variants": rows,
+    }
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:.2f}"
+
+
+def render(result: dict[str, Any]) -> str:
+    m = result["machine"]
+    rows = []
+    for r in result["variants"]:
+        k = r.get("kernels", {})
+        st = r["step_seconds"]
+        rows.append(
+            [
+                r["variant"],
+                f"{st['median'] * 1e3:.1f} [{st['min'] * 1e3:.1f}-{st['max'] * 1e3:.1f}]",
+                f"{r['tokens_per_second']:.0f}",
+                f"{r.get('time_vs_inductor', float('nan')):.2f}",
+                k.get("kernels", "-"),
+                f"{k['kernels_touching_fp32_activations']} ({k['kernels_touching_fp32_per_token']})" if k else "-",
+                _mib(k["activation_bytes_total"]) if k else "-",
+                f"{r['activation_bytes_vs_limit']:.2f}" if "activation_bytes_vs_limit" in r else "-",
+                f"{_mib(r['saved_for_backward_bytes_total'])} / {_mib(r['saved_activation_bytes_total'])}",
+                f"{r.get('saved_bytes_vs_inductor', float('nan')):.2f} / {r.get('saved_activation_bytes_vs_inductor', float('nan')):.2f}",
+                f"{r['compile_seconds']:.1f} ({(r['pass_share_of_compile'] or 0) * 100:.1f}%)" if "compile_seconds" in r else "-",
+            ]
+        )
+    head = (
+        f"{result['model']}, batch {result['batch']} x seq {result['seq_len']}, {result['steps']} timed steps on {m['device']}"
+        f" ({m.get('gpu') or m.get('cpu', '?')}), torch {m['torch']}"
+    )
+    note = ""
+    if m["device"] == "cpu":
+        if m["cpu_native_bf16"]:
+            native = f"this CPU has native bf16 instructions ({', '.join(f for f in m['cpu_bf16_flags'] if 'bf16' in f)}), but"
+        else:
+            native = "this CPU has NO native bf16 (no avx512_bf16 / amx_bf16): bf16 can run slower than fp32 here, and"
+        note = (
+            f"\nNOTE (CPU run): {native} Inductor's C++ kernels compute bf16 elementwise math through fp32 conversions,\n"
+            "so time ratios here are not the GPU story; kernel counts, bytes by dtype and saved-for-backward bytes are."
+        )
+    table = tabulate(
+        rows,
+        headers=[
+            "variant",
+            "step ms median [min-max]",
+            "tokens/s",
+            "time vs inductor",
+            "kernels",
+            "fp32-stream kernels (any per-token)",
+            "stream MiB (gen)",
+            "stream vs bf16 limit",
+            "saved MiB all / act",
+            "saved vs inductor all / act",
+            "compile s (pass %)",
+        ],
+    )
+    extern = "\n".join(
+        f"  {r['variant']}: extern calls {r['kernels']['extern_calls']}, bytes {r['kernels']['extern_bytes']}; "
+        f"generated read {r['kernels']['bytes_read']}, written {r['kernels']['bytes_written']}"
+        for r in result["variants"]
+        if "kernels" in r
+    )
+    return f"{head}{note}\n\n{table}\n\nkernel bytes by dtype (generated; extern matmuls/attention listed apart):\n{extern}"
+
+
+def save_json(result: dict[str, Any], path: str) -> None:
+    with open(path, "w") as f:
+        json.dump(result, f, indent=2, default=str)
