@@ -97,31 +97,30 @@ def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
 
     originals: list[tuple[nn.Module, Callable[..., Any]]] = []
     modules = dict(model.named_modules())
-    for unit in plan.units:
-        for fqn in unit.params:
-            planned = plan.params[fqn]
-            owner_fqn, _, name = fqn.rpartition(".")
-            owner = modules[owner_fqn]
-            if planned.gather == owner.get_parameter(name).dtype or any(o is owner for o, _ in originals):
-                continue
-            original = owner.forward
+    owners = {fqn.rpartition(".")[0] for unit in plan.units for fqn in unit.params}
+    for owner_fqn in sorted(owners):
+        owner = modules[owner_fqn]
+        dtypes = {
+            name: plan.param(f"{owner_fqn}.{name}" if owner_fqn else name).gather for name, _ in owner.named_parameters(recurse=False)
+        }
+        if all(owner.get_parameter(name).dtype == dtype for name, dtype in dtypes.items()):
+            continue
+        original = owner.forward
 
-            def forward(*args: Any, _owner: nn.Module = owner, _orig: Callable[..., Any] = original, **kwargs: Any) -> Any:
-                cast = {n: p.to(plan.param(f"{owner_path(model, _owner)}.{n}").gather) for n, p in _owner.named_parameters(recurse=False)}
-                with _reparametrize_module(_owner, cast):
-                    return _orig(*args, **kwargs)
+        def forward(
+            *args: Any, _owner: nn.Module = owner, _orig: Callable[..., Any] = original, _dtypes: dict = dtypes, **kwargs: Any
+        ) -> Any:
+            cast = {name: p.to(_dtypes[name]) for name, p in _owner.named_parameters(recurse=False)}
+            with _reparametrize_module(_owner, cast):
+                return _orig(*args, **kwargs)
 
-            owner.forward = forward  # type: ignore[method-assign]
-            originals.append((owner, original))
+        owner.forward = forward  # type: ignore[method-assign]
+        originals.append((owner, original))
     try:
         yield
     finally:
         for owner, original in originals:
             owner.forward = original  # type: ignore[method-assign]
-
-
-def owner_path(model: nn.Module, module: nn.Module) -> str:
-    return next(fqn for fqn, m in model.named_modules() if m is module)
 
 
 class _SavedBytes:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import os
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -100,6 +102,8 @@ def build_model(name: str, *, seed: int = 0, device: str | torch.device | None =
         factory = BUILTIN[name]
     elif ":" in name:
         module_name, _, attr = name.partition(":")
+        if os.getcwd() not in sys.path:
+            sys.path.append(os.getcwd())  # the console script's sys.path lacks the working directory
         try:
             factory = getattr(importlib.import_module(module_name), attr)
         except (ImportError, AttributeError) as exc:

@@ -35,6 +35,14 @@ def test_plan_json_is_the_same_plan() -> None:
     assert data["params"]["model.embed_tokens.weight"]["gather_rule"] == "*embed_tokens=bf16"
 
 
+def test_plan_takes_a_factory_path_and_explains_errors_without_a_traceback() -> None:
+    out = run_cli("plan", "--model", "tests.model_trees:Net", "--rules", "embed=bf16", "--json")
+    assert out.returncode == 0, out.stderr
+    assert {u["fqn"]: u["gather"] for u in json.loads(out.stdout)["units"]} == {"embed": "bf16", "": "fp32"}
+    bad = run_cli("plan", "--model", "tests.model_trees:Nope")
+    assert bad.returncode == 2 and "cannot import 'Nope'" in bad.stderr and "Traceback" not in bad.stderr
+
+
 def test_plan_with_a_misspelt_rule_exits_nonzero_and_suggests() -> None:
     out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokenz=bf16")
     assert out.returncode != 0

@@ -40,6 +40,7 @@ from fx_precision.passes.graph_nodes import (
     module_path,
     node_dtype,
     node_value,
+    normalise_source,
     op_name,
     placeholder_attr,
     source_line,
@@ -122,8 +123,6 @@ def param_names(
     model); the backend has only the graph, so it falls back to Dynamo's placeholder names and,
     for letter case, to ``gm._param_name_to_source``.
     """
-    from fx_precision.passes.graph_nodes import normalise_source
-
     case: dict[str, str] = {}
     for source in getattr(gm, "_param_name_to_source", {}).values():
         name = getattr(source, "name", None)

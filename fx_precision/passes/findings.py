@@ -18,7 +18,7 @@ island the program narrows again, as Qwen3.5's gated norm does) is contained and
 from __future__ import annotations
 
 import re
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
@@ -60,7 +60,6 @@ class Finding:
     propagations: int = 0
     stream_tensors: int = 0
     suggestion: str | None = None
-    extra: dict[str, Any] = field(default_factory=dict, compare=False)
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
