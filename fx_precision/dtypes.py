@@ -56,10 +56,6 @@ def parse_dtype(name: str | torch.dtype, *, what: str = "dtype") -> torch.dtype:
     raise PrecisionError(f"{what}: unknown dtype {name!r}; use one of {', '.join(NAME_TO_DTYPE)}")
 
 
-def is_narrow_float(dtype: torch.dtype) -> bool:
-    return dtype in (torch.bfloat16, torch.float16)
-
-
 def is_analysed_float(dtype: torch.dtype) -> bool:
     """Floating dtypes the precision contract speaks about (not float8, not complex)."""
     return dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)

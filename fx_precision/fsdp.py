@@ -16,7 +16,6 @@ from typing import Any
 import torch
 from torch import nn
 
-from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.plan import PrecisionPlan, unit_label
 
@@ -123,7 +122,3 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:
         if isinstance(module, fsdp.FSDPModule):
             out.append((fqn, module._get_fsdp_state()._mp_policy))
     return out
-
-
-def describe_units(model: nn.Module) -> str:
-    return "\n".join(f"{unit_label(fqn)}: param_dtype={dtype_name(mp.param_dtype)}" for fqn, mp in fsdp_units(model))

@@ -117,20 +117,6 @@ class ModuleGraph:
             chain.append(parent)
         return chain
 
-    def reaches(self, outer: int, inner: int) -> bool:
-        if outer == inner:
-            return True
-        stack = [outer]
-        seen = {outer}
-        while stack:
-            for kid in self.children[stack.pop()]:
-                if kid == inner:
-                    return True
-                if kid not in seen:
-                    seen.add(kid)
-                    stack.append(kid)
-        return False
-
     def module_at(self, path: str) -> nn.Module:
         return self.root.get_submodule(path) if path else self.root
 

@@ -91,9 +91,6 @@ class GraphAnnotation:
                 return info
         raise KeyError(name)
 
-    def stream_nodes(self) -> list[NodeInfo]:
-        return [i for i in self.info.values() if i.stream]
-
     def chain(self, start: NodeInfo, stop: str | None = None) -> list[NodeInfo]:
         """``start`` back to its source along wide parents (one entry per module run, and the source)."""
         path = [start]

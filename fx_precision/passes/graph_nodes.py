@@ -9,7 +9,6 @@ to placeholders named after their source (``l_self_modules_model_modules_embed_t
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -117,24 +116,12 @@ def placeholder_attr(node: fx.Node) -> tuple[str, str] | None:
     return kind, body.lower()
 
 
-def fqn_key(fqn: str) -> str:
-    """The lossy key a placeholder name keeps of an FQN (dots kept, lower case)."""
-    return fqn.lower()
-
-
 def is_cast(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target in CAST_METHODS
 
 
 def is_view(node: fx.Node) -> bool:
     return (node.op == "call_method" and node.target in VIEW_METHODS) or (node.op == "call_function" and node.target in VIEW_FUNCTIONS)
-
-
-def float_tensor_nodes(graph: fx.Graph) -> Iterator[fx.Node]:
-    for node in graph.nodes:
-        dtype = node_dtype(node)
-        if dtype is not None and dtype.is_floating_point:
-            yield node
 
 
 def redirect_through_cast(node: fx.Node, dtype: torch.dtype, *, before: fx.Node | None = None) -> fx.Node:
