@@ -200,7 +200,8 @@ def build_parser() -> argparse.ArgumentParser:
         "lint",
         help="FX-graph dtype analysis: sources of wide dtypes, cause chains; exit 1 at --fail-on",
         description="Captures the model's Dynamo graph(s) on one device (no FSDP2; the plan's gathers are emulated) "
-        "under the policy's autocast and reports findings. Exit status 1 when a finding reaches --fail-on.",
+        "under the policy's autocast and reports findings (--cast-forward-inputs only matters under FSDP2: see census). "
+        "Exit status 1 when a finding reaches --fail-on.",
     )
     _add_model_args(p)
     _add_policy_args(p)

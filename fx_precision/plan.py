@@ -459,8 +459,58 @@ def compile_precision(
     buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
 
     selected = [(rule, _selected_aliases(rule, module_paths, aliases, buffers)) for rule in spec.rules]
+    resolved = _resolve_params(infos, selected, default_gather, default_master)
+    direct = _direct_gathers(graph, infos, resolved, default_gather)
+    forced = _forced_units(graph, module_paths, wrap)
+    candidates = sorted({default_gather} | {g.dtype for g, _ in resolved.values()}, key=lambda d: (d != default_gather, str(d)))
 
-    # -- per parameter: fold the rules per alias; aliases must agree ---------------------------
+    extra_forced: set[int] = set()
+    while True:  # solve; force a shared module into a unit if FSDP2 would claim its weights wrongly
+        chosen = _UnitSolver(graph, direct, set(forced) | extra_forced, candidates, default_gather).units()
+        order = [key for key in graph.post_order if key in chosen]
+        claims: dict[int, int] = {}
+        for unit_key in order:
+            for _, param in graph.modules[unit_key].named_parameters():
+                if id(param) in resolved and id(param) not in claims:
+                    claims[id(param)] = unit_key
+        fix = _check_claims(graph, infos, resolved, chosen, claims)
+        if fix is None:
+            break
+        if fix in extra_forced or fix in forced:  # pragma: no cover - defensive: no progress possible
+            raise PrecisionError(f"cannot place module {graph.first_fqn[fix]!r} in a unit; please report this model")
+        extra_forced.add(fix)
+
+    params = {
+        infos[key].fqn: ParamPlan(
+            fqn=infos[key].fqn,
+            aliases=tuple(infos[key].aliases),
+            numel=infos[key].param.numel(),
+            gather=g.dtype,
+            master=m.dtype,
+            gather_rule=g.rule,
+            master_rule=m.rule,
+            unit=graph.first_fqn[claims[key]],
+        )
+        for key, (g, m) in resolved.items()
+    }
+    units = _assemble_units(graph, order, chosen, claims, infos, params, forced, extra_forced, default_gather)
+    return PrecisionPlan(
+        params=params,
+        units=tuple(units),
+        default_gather=default_gather,
+        default_master=default_master,
+        spec_text=spec.text(),
+        wrap=tuple(wrap),
+    )
+
+
+def _resolve_params(
+    infos: dict[int, ParamInfo],
+    selected: list[tuple[Rule, set[str]]],
+    default_gather: torch.dtype,
+    default_master: torch.dtype | None,
+) -> dict[int, tuple[_Resolved, _Resolved]]:
+    """(gather, master) per floating parameter, folded per alias; tied aliases must agree."""
     resolved: dict[int, tuple[_Resolved, _Resolved]] = {}
     for key, info in infos.items():
         if not info.param.is_floating_point():
@@ -480,8 +530,13 @@ def compile_precision(
                     f"select every alias in the rule (e.g. add a rule for {alias.rpartition('.')[0] or alias}) or untie the weights."
                 )
         resolved[key] = (g0, m0)
+    return resolved
 
-    # -- direct gather dtypes per home module --------------------------------------------------
+
+def _direct_gathers(
+    graph: ModuleGraph, infos: dict[int, ParamInfo], resolved: dict[int, tuple[_Resolved, _Resolved]], default_gather: torch.dtype
+) -> dict[int, set[torch.dtype]]:
+    """Gather dtypes of the parameters homed at each module; raises where no unit can express them."""
     direct: dict[int, set[torch.dtype]] = {}
     home_params: dict[int, list[int]] = {}
     for key, (g, _) in resolved.items():
@@ -496,7 +551,7 @@ def compile_precision(
                 f"({', '.join(names)}); one FSDP2 unit gathers at one dtype, and no module boundary separates them. "
                 "Give them the same gather dtype, or move one into a submodule of its own."
             )
-    root_key = id(model)
+    root_key = id(graph.root)
     if direct.get(root_key, {default_gather}) != {default_gather}:
         names = [
             f"{infos[k].fqn} ({'tied: ' + ', '.join(infos[k].aliases) if len(infos[k].aliases) > 1 else 'direct'})"
@@ -508,63 +563,43 @@ def compile_precision(
             f"({', '.join(names)}); the root unit gathers at default_gather={dtype_name(default_gather)} and no inner unit "
             "can express it. Change default_gather, move the parameter into a submodule, or untie it."
         )
+    return direct
 
-    # -- units ---------------------------------------------------------------------------------
-    forced: dict[int, str] = {root_key: "root"}
-    for glob in wrap:  # the outermost matches: 'model.layers.*' means each layer, not all below
+
+def _forced_units(graph: ModuleGraph, module_paths: list[tuple[str, nn.Module]], wrap: Sequence[str]) -> dict[int, str]:
+    """The root and the outermost matches of each wrap glob ('model.layers.*': each layer, not all below)."""
+    forced: dict[int, str] = {id(graph.root): "root"}
+    for glob in wrap:
         hits = [path for path, _ in module_paths if path and fnmatch.fnmatchcase(path, glob)]
+        if not hits:
+            hint = _suggest(glob, (p for p, _ in module_paths if p))
+            raise PrecisionError(f"wrap glob {glob!r} matches no module{'; nearest: ' + ', '.join(hint) if hint else ''}")
         for path in hits:
             if not any(path.startswith(other + ".") for other in hits):
                 forced.setdefault(id(graph.module_at(path)), f"wrap {glob}")
-    unused = [glob for glob in wrap if not any(p and fnmatch.fnmatchcase(p, glob) for p, _ in module_paths)]
-    if unused:
-        hint = _suggest(unused[0], (p for p, _ in module_paths if p))
-        raise PrecisionError(f"wrap glob {unused[0]!r} matches no module{'; nearest: ' + ', '.join(hint) if hint else ''}")
-    candidates = sorted({default_gather} | {g.dtype for g, _ in resolved.values()}, key=lambda d: (d != default_gather, str(d)))
+    return forced
 
-    extra_forced: set[int] = set()
-    while True:
-        solver = _UnitSolver(graph, direct, set(forced) | extra_forced, candidates, default_gather)
-        chosen = solver.units()
-        order = [key for key in graph.post_order if key in chosen]
-        claims: dict[int, int] = {}
-        for unit_key in order:
-            for _, param in graph.modules[unit_key].named_parameters():
-                if id(param) in resolved and id(param) not in claims:
-                    claims[id(param)] = unit_key
-        fix = _check_claims(graph, infos, resolved, chosen, claims)
-        if fix is None:
-            break
-        if fix in extra_forced or fix in forced:  # pragma: no cover - defensive: no progress possible
-            raise PrecisionError(f"cannot place module {graph.first_fqn[fix]!r} in a unit; please report this model")
-        extra_forced.add(fix)
 
-    # -- assemble ------------------------------------------------------------------------------
+def _assemble_units(
+    graph: ModuleGraph,
+    order: list[int],
+    chosen: dict[int, torch.dtype],
+    claims: dict[int, int],
+    infos: dict[int, ParamInfo],
+    params: dict[str, ParamPlan],
+    forced: dict[int, str],
+    extra_forced: set[int],
+    default_gather: torch.dtype,
+) -> list[UnitPlan]:
     nearest_unit: dict[int, int] = {}
     for key in graph.modules:
-        for anc in graph.dom_ancestors(key):
-            if anc in chosen:
-                nearest_unit[key] = anc
-                break
-    params: dict[str, ParamPlan] = {}
+        nearest_unit[key] = next(anc for anc in graph.dom_ancestors(key) if anc in chosen)
     unit_params: dict[int, list[str]] = {k: [] for k in chosen}
-    for key, (g, m) in resolved.items():
-        info = infos[key]
-        owner = claims[key]
-        unit_params[owner].append(info.fqn)
-        params[info.fqn] = ParamPlan(
-            fqn=info.fqn,
-            aliases=tuple(info.aliases),
-            numel=info.param.numel(),
-            gather=g.dtype,
-            master=m.dtype,
-            gather_rule=g.rule,
-            master_rule=m.rule,
-            unit=graph.first_fqn[owner],
-        )
+    for key, owner in claims.items():
+        unit_params[owner].append(infos[key].fqn)
     units = []
     for key in order:
-        kind = "root" if key == root_key else ("wrap" if key in forced else "precision")
+        kind = "root" if key == id(graph.root) else ("wrap" if key in forced else "precision")
         if kind == "root":
             reason = f"default_gather={dtype_name(default_gather)}"
         elif key in extra_forced:
@@ -577,21 +612,14 @@ def compile_precision(
         units.append(
             UnitPlan(
                 fqn=graph.first_fqn[key],
-                kind=kind if key not in extra_forced else "precision",
+                kind=kind,
                 gather=chosen[key],
                 params=tuple(unit_params[key]),
-                modules=tuple(graph.first_fqn[m] for m in graph.post_order if nearest_unit.get(m) == key)[::-1],
+                modules=tuple(graph.first_fqn[m] for m in graph.post_order if nearest_unit[m] == key)[::-1],
                 reason=reason,
             )
         )
-    return PrecisionPlan(
-        params=params,
-        units=tuple(units),
-        default_gather=default_gather,
-        default_master=default_master,
-        spec_text=spec.text(),
-        wrap=tuple(wrap),
-    )
+    return units
 
 
 def _check_claims(
