@@ -36,7 +36,9 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable[...
     path = os.path.join(outdir, f"{rank}.pkl")
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
-    except BaseException as exc:  # ship any failure back to the parent with its traceback
+    except PrecisionError as exc:  # bad input: the parent re-raises it as such, message only
+        result = ("precision_error", str(exc))
+    except BaseException as exc:  # anything else: ship it back with its traceback
         result = ("error", f"{type(exc).__name__}: {exc}\n{traceback.format_exc()}")
     with open(path, "wb") as f:
         pickle.dump(result, f)
@@ -64,6 +66,8 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
                 with open(path, "rb") as f:
                     outcomes[rank] = pickle.load(f)
         for rank, (status, value) in outcomes.items():
+            if status == "precision_error":
+                raise PrecisionError(value)
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed: {value}")
         missing = [rank for rank in range(world_size) if rank not in outcomes]

@@ -126,3 +126,10 @@ def test_census_on_two_ranks_counts_like_one_rank() -> None:
     assert a["world_size"] == 1 and b["world_size"] == 2
     table = run_cli("census", "--model", "qwen3_5-tiny", "--world-size", "2")
     assert table.returncode == 0 and table.stdout.count("module-IO tensors:") == 1  # rank 0 alone prints
+
+
+def test_census_cli_reports_a_bad_rule_from_inside_the_ranks_without_a_traceback() -> None:
+    out = run_cli("census", "--model", "qwen3_5-tiny", "--rules", "*embed_tokenz=bf16", "--world-size", "2")
+    assert out.returncode == 2
+    assert "*embed_tokenz=bf16" in out.stderr and "model.embed_tokens" in out.stderr
+    assert "Traceback" not in out.stderr
