@@ -29,6 +29,7 @@ from fx_precision.errors import PrecisionError
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module, settle_rewrite
 from fx_precision.passes.findings import Finding, severity_rank
 from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.repropagate import graph_device_type
 from fx_precision.passes.source_casts import cast_sources
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan
@@ -113,13 +114,6 @@ def _inner_compiler(inner: str | Callable[..., Any]) -> Callable[..., Any]:
     return lookup_backend(inner)
 
 
-def _graph_device_type(example_inputs: list[Any]) -> str:
-    for value in example_inputs:
-        if isinstance(value, torch.Tensor) and value.device.type != "meta":
-            return value.device.type
-    return "cpu"
-
-
 class PrecisionBackend:
     """A Dynamo backend ``(gm, example_inputs) -> callable`` enforcing a precision policy/plan."""
 
@@ -148,7 +142,7 @@ class PrecisionBackend:
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         start = time.perf_counter()
-        device_type = _graph_device_type(example_inputs)
+        device_type = graph_device_type(gm)
         compute = self._compute(device_type)
         report = GraphReport(len(self.reports), self.mode, compute)
         self.reports.append(report)

@@ -36,7 +36,8 @@ from torch import nn
 
 from fx_precision.backend import make_precision_backend
 from fx_precision.dtypes import dtype_name
-from fx_precision.kernel_census import census_of_code, summary
+from fx_precision.errors import PrecisionError
+from fx_precision.kernel_census import census_of_code, per_token_size, summary
 from fx_precision.plan import PrecisionPlan, compile_precision
 from fx_precision.spec import parse_precision_rules
 from fx_precision.zoo import build_model, forward_kwargs, logits_of, token_batch, vocab_size
@@ -97,7 +98,7 @@ def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
 
     originals: list[tuple[nn.Module, Callable[..., Any]]] = []
     modules = dict(model.named_modules())
-    owners = {fqn.rpartition(".")[0] for unit in plan.units for fqn in unit.params}
+    owners = {fqn.rpartition(".")[0] for fqn in plan.params}
     for owner_fqn in sorted(owners):
         owner = modules[owner_fqn]
         dtypes = {
@@ -140,21 +141,9 @@ class _SavedBytes:
                 self.seen.add(key)
                 nbytes = t.numel() * t.element_size()
                 self.by_dtype[dtype_name(t.dtype)] += nbytes
-                if _per_token(tuple(t.shape), self.tokens):
+                if per_token_size(tuple(t.shape), self.tokens) is not None:
                     self.activations[dtype_name(t.dtype)] += nbytes
         return t
-
-
-def _per_token(shape: tuple[int, ...], tokens: int) -> bool:
-    """Leading dims multiply to the batch's token count (an activation, not a weight copy)."""
-    lead = 1
-    for dim in shape:
-        lead *= dim
-        if lead == tokens:
-            return True
-        if lead > tokens:
-            return False
-    return False
 
 
 def stream_width(model: nn.Module) -> int:
@@ -164,7 +153,10 @@ def stream_width(model: nn.Module) -> int:
         return int(hidden)
     embedding = next((m for m in model.modules() if isinstance(m, nn.Embedding)), None)
     if embedding is None:
-        raise ValueError(f"{type(model).__name__}: no config.hidden_size and no nn.Embedding to read the stream width from")
+        raise PrecisionError(
+            f"{type(model).__name__}: no config.hidden_size and no nn.Embedding to read the residual-stream width from; "
+            "give the model a config.hidden_size"
+        )
     return embedding.embedding_dim
 
 

@@ -74,6 +74,11 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_batch_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", type=int, default=2, help="synthetic batch size (token ids from a fixed seed)")
+    p.add_argument("--seq-len", type=int, default=16, help="synthetic sequence length")
+
+
 def _census_config(args: argparse.Namespace) -> CensusConfig:
     from fx_precision.census_driver import CensusConfig
 
@@ -190,8 +195,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_policy_args(p)
     p.add_argument("--world-size", type=int, default=1, help="gloo ranks to spawn (rank 0 prints; default 1)")
-    p.add_argument("--batch", type=int, default=2, help="synthetic batch size (token ids from a fixed seed)")
-    p.add_argument("--seq-len", type=int, default=16, help="synthetic sequence length")
+    _add_batch_args(p)
     p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
     p.add_argument("--top", type=int, default=15, help="modules to list (by fp32 count)")
     p.set_defaults(handler=cmd_census)
@@ -205,8 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_model_args(p)
     _add_policy_args(p)
-    p.add_argument("--batch", type=int, default=2, help="synthetic batch size")
-    p.add_argument("--seq-len", type=int, default=16, help="synthetic sequence length")
+    _add_batch_args(p)
     p.add_argument("--dynamic", action="store_true", help="trace with dynamic shapes (wide bytes as a sympy expression)")
     p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights); implied for qwen3_5-4b")
     p.add_argument("--device-type", default="cpu", choices=["cpu", "cuda"], help="whose autocast op lists apply (default cpu)")
@@ -223,7 +226,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="model name (default qwen3_5-4b-slice; --quick: qwen3_5-tiny)")
     p.add_argument("--batch", type=int, default=None, help="batch size (default 1; --quick: 2)")
     p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 128; --quick: 64)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5; --quick: 5)")
+    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda times with CUDA events)")
     p.add_argument("--quick", action="store_true", help="tiny Qwen3.5, small batch: minutes on a CPU")
     p.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")

@@ -56,7 +56,6 @@ _ALLOC = re.compile(r"^\s*(\w+) = empty_strided_(?:cpu|cuda)\(\(([^)]*)\), \(([^
 _ASSERT = re.compile(r"^\s*assert_size_stride\((\w+), \(([^)]*)\), \(([^)]*)\)")
 _ALIAS = re.compile(r"^\s*(\w+) = reinterpret_tensor\((\w+), \(([^)]*)\)")
 _CPP_DEF = re.compile(r"^(\w+) = async_compile\.cpp_pybinding\(\[([^\]]*)\]")
-_TRITON_DEF = re.compile(r"^(\w+) = async_compile\.triton\('(\w+)'")
 _CALL = re.compile(r"^\s*(\w+)(?:\.run)?\((.*)\)\s*$")
 _EXTERN = re.compile(r"^\s*(?:(\w+) = )?(extern_kernels\.\w+|torch\.ops\.[\w.]+)\((.*)\)\s*$")
 
@@ -117,16 +116,9 @@ class KernelCensus:
         for name, shape in self.shapes.items():
             if not shape or shape in param_shapes or tuple(reversed(shape)) in param_shapes:
                 continue
-            lead = 1
-            for i, dim in enumerate(shape):
-                lead *= dim
-                if lead == tokens:
-                    per_token = math.prod(shape[i + 1 :])
-                    if per_token >= 2 and (widths is None or per_token in widths):
-                        out.add(name)
-                    break
-                if lead > tokens:
-                    break
+            size = per_token_size(shape, tokens)
+            if size is not None and size >= 2 and (widths is None or size in widths):
+                out.add(name)
         return out
 
     def kernels_touching(self, buffers: set[str], dtype: torch.dtype) -> list[Kernel]:
@@ -134,6 +126,18 @@ class KernelCensus:
 
     def merge(self, other: KernelCensus) -> KernelCensus:
         return KernelCensus(self.kernels + other.kernels, {**self.shapes, **other.shapes})
+
+
+def per_token_size(shape: tuple[int, ...], tokens: int) -> int | None:
+    """Values per token if the leading dims multiply to ``tokens`` ((B, S, D) or (B*S, D) -> D), else None."""
+    lead = 1
+    for i, dim in enumerate(shape):
+        lead *= dim
+        if lead == tokens:
+            return math.prod(shape[i + 1 :])
+        if lead > tokens:
+            return None
+    return None
 
 
 def _split_args(text: str) -> list[str]:
@@ -170,11 +174,11 @@ def parse_wrapper(code: str, prefix: str = "") -> KernelCensus:
     for m in re.finditer(r"(\w+) = async_compile\.triton\('\w+', '''(.*?)'''", code, re.DOTALL):
         meta = re.search(r"'signature': \{([^}]*)\}", m.group(2))
         if meta:
-            sig = []
-            for name, kind in re.findall(r"'(\w+)': '\*?(\w+)'", meta.group(1)):
-                if name.endswith(("numel", "rnumel")) or kind not in _TRITON_TYPES or not re.search(rf"'{name}': '\*", meta.group(1)):
-                    continue
-                sig.append((_TRITON_TYPES[kind], name.startswith(("out_ptr", "in_out_ptr"))))
+            sig = [
+                (_TRITON_TYPES[kind], name.startswith(("out_ptr", "in_out_ptr")))
+                for name, kind in re.findall(r"'(\w+)': '\*(\w+)'", meta.group(1))  # pointer arguments only
+                if kind in _TRITON_TYPES
+            ]
             signatures[m.group(1)] = sig
 
     def resolve(token: str) -> tuple[str, tuple[int, ...] | None] | None:
@@ -199,9 +203,8 @@ def parse_wrapper(code: str, prefix: str = "") -> KernelCensus:
         if m := _ALIAS.match(line):
             alias[m.group(1)] = alias.get(m.group(2), m.group(2))
             continue
-        if m := _EXTERN.match(line):
+        if m := _EXTERN.match(line):  # a returned extern output has no allocation line: its size is unknown
             args = []
-            out_name = m.group(1)
             for token in _split_args(m.group(3)):
                 write = token.startswith("out=")
                 resolved = resolve(token.removeprefix("out="))
@@ -212,8 +215,6 @@ def parse_wrapper(code: str, prefix: str = "") -> KernelCensus:
                 if dtype is None or shape is None:
                     continue
                 args.append(KernelArg(name, dtype, math.prod(shape), write))
-            if out_name:
-                args.append(KernelArg(prefix + out_name, args[0].dtype if args else torch.float32, None, True))
             census.kernels.append(Kernel(m.group(2), args, extern=True))
             continue
         if (m := _CALL.match(line)) and m.group(1) in signatures:

@@ -24,6 +24,7 @@ from torch import nn
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
+from fx_precision.fsdp import fsdp_units
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph
 from fx_precision.passes.capture import capture_graphs
 from fx_precision.passes.findings import Finding, severity_rank
@@ -163,12 +164,10 @@ def ambient_compute(device_types: Sequence[str]) -> tuple[torch.dtype | None, st
     return None, None
 
 
-def _units_for(model: nn.Module, plan: PrecisionPlan | None) -> UnitIndex:
+def _units_for(plan: PrecisionPlan | None, wrapped: list[tuple[str, Any]]) -> UnitIndex:
+    """Units from the plan, else from the model's FSDP2 units, else the root alone."""
     if plan is not None:
         return UnitIndex.from_plan(plan)
-    from fx_precision.fsdp import fsdp_units
-
-    wrapped = fsdp_units(model)
     if wrapped:
         return UnitIndex.from_units({fqn: mp.param_dtype for fqn, mp in wrapped})
     return UnitIndex.from_units({"": None})
@@ -201,10 +200,8 @@ def lint(
         device_type = device_type or found or (model_device if model_device != "meta" else "cpu")
     if device_type == "meta":
         raise PrecisionError("device_type='meta' has no autocast op lists; pass device_type='cpu' or 'cuda'")
-    units = _units_for(model, plan)
-    from fx_precision.fsdp import fsdp_units
-
     wrapped = fsdp_units(model)
+    units = _units_for(plan, wrapped)
     fsdp_cast = any(mp.cast_forward_inputs for _, mp in wrapped) if wrapped else None
     # a policy without compute dtype overrides an ambient autocast: trace with autocast off
     with torch.autocast(device_type, enabled=False) if compute is None else contextlib.nullcontext():

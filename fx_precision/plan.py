@@ -194,7 +194,9 @@ class PrecisionPlan:
         """Load a plan and check it against ``model`` (same parameters, sizes and modules)."""
         data = json.loads(text) if isinstance(text, str) else text
         if data.get("version") != 1:
-            raise PrecisionError(f"plan JSON version {data.get('version')!r} is not supported (expected 1)")
+            raise PrecisionError(
+                f"plan JSON version {data.get('version')!r} is not supported (expected 1); recompile the plan and save it with to_json()"
+            )
         params = {
             fqn: ParamPlan(
                 fqn=fqn,

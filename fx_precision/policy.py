@@ -15,7 +15,7 @@ under autocast that silently upcasts the activation stream to fp32 at every unit
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -66,14 +66,9 @@ class PrecisionPolicy:
         return autocast_context(self.compute, device_type)
 
 
-@contextlib.contextmanager
-def _no_autocast() -> Iterator[None]:
-    yield
-
-
 def autocast_context(compute: torch.dtype | None, device_type: str | torch.device = "cpu") -> contextlib.AbstractContextManager[Any]:
     if compute is None:
-        return _no_autocast()
+        return contextlib.nullcontext()
     kind = device_type.type if isinstance(device_type, torch.device) else str(device_type).split(":")[0]
     if kind == "meta":
         raise PrecisionError("autocast has no meta device type; pass the device type whose op lists should apply (cpu or cuda)")

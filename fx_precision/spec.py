@@ -20,7 +20,7 @@ from __future__ import annotations
 import fnmatch
 import re
 from dataclasses import dataclass, field
-from typing import Final, Literal, Union
+from typing import Final, Union
 
 import torch
 
@@ -263,6 +263,3 @@ def parse_precision_rules(text: str) -> PrecisionSpec:
             rules.append(Rule(sel, gather=gather, master=master, source=segment.strip()))
         offset += len(segment) + 1
     return PrecisionSpec(tuple(rules))
-
-
-Axis = Literal["gather", "master"]

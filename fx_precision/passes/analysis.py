@@ -13,6 +13,7 @@ verify; ``lint`` stops here.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -47,17 +48,12 @@ class GraphAnalysis:
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:
-    """A structural copy (node metas copied shallowly) that an analysis may rewrite freely."""
-    graph = fx.Graph()
-    output = graph.graph_copy(gm.graph, {}, return_output_node=True)
-    if isinstance(output, tuple):  # graph_copy returns (value, output node) with return_output_node
-        graph.output(output[0], type_expr=getattr(output[1], "type", None))
-    copy = fx.GraphModule(gm, graph)
-    copy.meta = dict(getattr(gm, "meta", {}))
-    for attr in ("_param_name_to_source",):
-        if hasattr(gm, attr):
-            setattr(copy, attr, getattr(gm, attr))
-    return copy
+    """A structural copy an analysis may rewrite freely (``Graph.__deepcopy__`` copies node metas
+    shallowly, so fake example values are shared, not cloned)."""
+    clone = fx.GraphModule(gm, copy.deepcopy(gm.graph))
+    if hasattr(gm, "_param_name_to_source"):  # Dynamo's parameter sources: letter case of parameter names
+        clone._param_name_to_source = gm._param_name_to_source
+    return clone
 
 
 def analyse_graph(

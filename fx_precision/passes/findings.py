@@ -26,7 +26,7 @@ from torch import fx
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, is_wide
-from fx_precision.passes.graph_nodes import is_cast, is_view, node_dtype, op_name, source_line
+from fx_precision.passes.graph_nodes import is_cast, is_view, node_dtype, node_value, op_name, source_line
 from fx_precision.passes.units import UnitIndex
 
 SEVERITIES = ("info", "warn", "error")
@@ -303,7 +303,7 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
 
 
 def _numel(info: NodeInfo) -> int:
-    value = info.node.meta.get("example_value", info.node.meta.get("val"))
+    value = node_value(info.node)
     try:
         return int(value.numel())
     except (AttributeError, TypeError):  # symbolic sizes: no byte figure

@@ -24,7 +24,6 @@ class UnitIndex:
     units: dict[str, torch.dtype | None] = field(default_factory=lambda: {"": None})
     params: dict[str, ParamPlan] = field(default_factory=dict)
     module_unit: dict[str, str] = field(default_factory=dict)
-    prefix: str = ""
 
     @classmethod
     def from_plan(cls, plan: PrecisionPlan) -> UnitIndex:
@@ -38,8 +37,6 @@ class UnitIndex:
 
     # -- resolution ------------------------------------------------------------------------------
     def _resolve(self, fqn: str, names: list[str]) -> str | None:
-        if self.prefix:
-            fqn = f"{self.prefix}.{fqn}" if fqn else self.prefix
         if fqn in names:
             return fqn
         if not fqn:
@@ -66,10 +63,9 @@ class UnitIndex:
             name = self._resolve(fqn, list(self.module_unit))
             if name is not None:
                 return self.module_unit[name]
-        full = f"{self.prefix}.{fqn}" if self.prefix and fqn else (self.prefix or fqn)
         best = None
         for unit in self.units:
-            if unit == "" or full == unit or full.startswith(unit + "."):
+            if unit == "" or fqn == unit or fqn.startswith(unit + "."):
                 if best is None or len(unit) > len(best):
                     best = unit
         return best
