@@ -26,11 +26,11 @@ from torch import fx
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
-from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module, settle_rewrite
+from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
 from fx_precision.passes.findings import Finding, severity_rank
+from fx_precision.passes.fixed_point import fix_to_fixed_point
 from fx_precision.passes.gather_emulation import InsertedCast
 from fx_precision.passes.repropagate import graph_device_type
-from fx_precision.passes.source_casts import cast_sources
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan
 from fx_precision.policy import PrecisionPolicy
@@ -63,6 +63,7 @@ class GraphReport:
     stream_before: dict[str, int] = field(default_factory=dict)
     stream_after: dict[str, int] = field(default_factory=dict)
     note: str = ""
+    rounds: int = 0
 
     def casts_for(self, reason_prefix: str) -> list[InsertedCast]:
         return [c for c in self.casts if c.reason.startswith(reason_prefix)]
@@ -82,7 +83,7 @@ class GraphReport:
     def summary(self) -> str:
         lines = [
             f"graph {self.index} ({self.mode}, compute {dtype_name(self.compute) if self.compute else 'none'}): "
-            f"{len(self.before)} finding(s) before, {len(self.after)} after; {len(self.casts)} cast(s) inserted; "
+            f"{len(self.before)} finding(s) before, {len(self.after)} after; {len(self.casts)} cast(s) inserted in {self.rounds} round(s); "
             f"stream {self.stream_before} -> {self.stream_after}; "
             f"pass {self.pass_seconds * 1e3:.1f} ms, inner compile {self.inner_seconds:.2f} s" + (f"; {self.note}" if self.note else "")
         ]
@@ -103,6 +104,7 @@ class GraphReport:
             "stream_before": self.stream_before,
             "stream_after": self.stream_after,
             "note": self.note,
+            "rounds": self.rounds,
         }
 
 
@@ -179,22 +181,26 @@ class PrecisionBackend:
         self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, report: GraphReport, device_type: str
     ) -> None:
         first = self._analyse(gm, example_inputs, compute, report.index, device_type)
-        report.before = first.findings
+        fixed = fix_to_fixed_point(
+            gm,
+            first,
+            lambda: self._analyse(gm, example_inputs, compute, report.index, device_type, emulate=False),
+            compute=compute,
+            device_type=device_type,
+        )
+        report.before = fixed.findings
         report.stream_before = first.census.stream
-        report.casts = [*first.gather_casts, *first.retargeted]
-        if compute is not None and first.sources:
-            sources = cast_sources(first.annotation, first.sources, compute)
-            report.casts += sources + settle_rewrite(gm, sources, compute, device_type, before=first.annotation)
-        final = self._analyse(gm, example_inputs, compute, report.index, device_type, emulate=False) if report.casts else first
-        report.after = final.findings
-        report.stream_after = final.census.stream
+        report.casts = fixed.casts
+        report.rounds = fixed.rounds
+        report.after = fixed.final.findings
+        report.stream_after = fixed.final.census.stream
         threshold = "warn" if self.strict else "error"
-        failing = [f for f in final.findings if severity_rank(f.severity) >= severity_rank(threshold)]
+        failing = [f for f in fixed.final.findings if severity_rank(f.severity) >= severity_rank(threshold)]
         if failing:
             details = "\n".join(f.explain() for f in failing)
             raise PrecisionError(
                 f"precision_backend (enforce{', strict' if self.strict else ''}): {len(failing)} finding(s) remain after the pass "
-                f"in graph {report.index}:\n{details}"
+                f"({fixed.rounds} round(s) of casts) in graph {report.index}:\n{details}"
             )
 
 

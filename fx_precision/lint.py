@@ -25,9 +25,10 @@ from torch import nn
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import fsdp_units
-from fx_precision.passes.analysis import GraphAnalysis, analyse_graph
+from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
 from fx_precision.passes.capture import capture_graphs
 from fx_precision.passes.findings import Finding, severity_rank
+from fx_precision.passes.fixed_point import fix_to_fixed_point
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan
 from fx_precision.policy import PrecisionPolicy, autocast_context
@@ -73,6 +74,11 @@ class LintReport:
                 f"\ngraph {g.index}: {sum(c.float_nodes.values())} float nodes {c.float_nodes}; stream tensors {c.stream}; "
                 f"wide stream bytes {c.to_dict()['wide_stream_bytes']}"
             )
+            if g.rounds > 1:
+                masked = sum(f.masked for f in g.findings)
+                parts.append(
+                    f"  fixed point after {g.rounds} rounds of casts: {masked} masked finding(s) surfaced once earlier sources were fixed"
+                )
             if g.gather_casts:
                 parts.append(f"  gather emulated for {len(g.gather_casts)} parameter(s): {', '.join(c.of for c in g.gather_casts)}")
         rows = [
@@ -85,13 +91,17 @@ class LintReport:
                 f.node,
                 f.propagations,
                 f.stream_tensors,
+                f"{f.round} (masked by {', '.join(f.masked_by) or '?'})" if f.masked else 0,
             ]
-            for f in sorted(self.findings, key=lambda f: (-severity_rank(f.severity), f.graph, f.code))
+            for f in sorted(self.findings, key=lambda f: (-severity_rank(f.severity), f.graph, f.round, f.code))
         ]
         if rows:
-            parts.append("\n" + tabulate(rows, headers=["severity", "code", "kind", "module", "unit", "node", "propagated", "wide stream"]))
+            headers = ["severity", "code", "kind", "module", "unit", "node", "propagated", "wide stream", "round"]
+            parts.append("\n" + tabulate(rows, headers=headers))
             parts.append("")
-            parts.extend(f.explain() for f in sorted(self.findings, key=lambda f: -severity_rank(f.severity)) if f.severity != "info")
+            parts.extend(
+                f.explain() for f in sorted(self.findings, key=lambda f: (-severity_rank(f.severity), f.round)) if f.severity != "info"
+            )
         else:
             parts.append("\nno findings")
         parts.append(f"\nworst severity: {self.worst_severity or 'none'}")
@@ -106,6 +116,7 @@ class LintReport:
             "graphs": [
                 {
                     "index": g.index,
+                    "rounds": g.rounds,
                     "census": g.census.to_dict(),
                     "gather_casts": [c.__dict__ for c in g.gather_casts],
                     "findings": [f.to_dict() for f in g.findings],
@@ -210,17 +221,31 @@ def lint(
         )
     report = LintReport(compute, device_type)
     for i, cap in enumerate(captured):
-        report.graphs.append(
-            analyse_graph(
-                cap.gm,
-                cap.example_inputs,
+
+        def analyse(gm: Any, emulate: bool, index: int = i, inputs: list[Any] = cap.example_inputs) -> GraphAnalysis:
+            return analyse_graph(
+                gm,
+                inputs,
                 compute=compute,
                 units=units,
                 known_names=names,
-                emulate=plan is not None,
-                index=i,
+                emulate=emulate,
+                index=index,
                 fsdp_cast_inputs=fsdp_cast,
                 device_type=device_type,
             )
-        )
+
+        analysis = analyse(cap.gm, plan is not None)
+        if compute is not None and analysis.sources:
+            # the masked sources: fix this graph's sources on a copy, round after round
+            copy = copy_graph_module(cap.gm)
+            fixed = fix_to_fixed_point(
+                copy, analyse(copy, False), lambda c=copy: analyse(c, False), compute=compute, device_type=device_type
+            )
+            # round 0 as analysed here (gather emulation, plan mismatches), less the sources the fixed point
+            # found to be artefacts of the leak; then what surfaced in later rounds
+            real = {f.node for f in fixed.sources}
+            analysis.findings = [f for f in analysis.findings if not f.is_source or f.node in real] + fixed.masked
+            analysis.rounds = fixed.rounds
+        report.graphs.append(analysis)
     return report

@@ -109,3 +109,20 @@ class WithGraphBreak(nn.Module):
         h = h + self.a(h)
         torch._dynamo.graph_break()
         return h + self.b(h)
+
+
+class EmbedLlamaNorm(nn.Module):
+    """``embed -> LlamaRMSNorm -> linear``: the norm's promotion is masked while the embedding leaks.
+
+    As traced under bf16 autocast with fp32 weights, ``h.to(input_dtype)`` is ``.to(fp32)`` and the
+    norm's multiply a mere propagation; once the embedding's output is cast it is a source itself.
+    """
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.norm = LlamaRMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.embed(ids)))

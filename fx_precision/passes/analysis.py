@@ -37,6 +37,7 @@ class GraphAnalysis:
     census: GraphCensus
     gather_casts: list[InsertedCast] = field(default_factory=list)
     retargeted: list[InsertedCast] = field(default_factory=list)
+    rounds: int = 0  # rounds of source casts the fixed point needed (lint: on a copy of the graph)
 
     @property
     def worst_severity(self) -> str | None:
@@ -44,7 +45,7 @@ class GraphAnalysis:
 
     @property
     def sources(self) -> list[Finding]:
-        return [f for f in self.findings if f.kind in ("uncovered-op", "weight-promotion")]
+        return [f for f in self.findings if f.is_source]
 
 
 def copy_graph_module(gm: fx.GraphModule) -> fx.GraphModule:

@@ -11,25 +11,26 @@ value's dtype was specialised to the old, wide dtype at trace time:
 A cast that, as traced, was a no-op to a dtype the pass narrowed away (so it followed a wide
 value), applied to a value that was wide because of the leak or is a constant table, and whose
 source line names no literal float dtype (``torch.float32``, ``.float()``, ...), followed a traced
-dtype: it is retargeted to what that dtype became. ``x.to(weight.dtype)`` on a narrow ``x`` (a
-real upcast as traced) is left alone. ``type_as`` needs nothing (it follows at run time). Limitation: a cast
+dtype: it is retargeted to what that dtype became. A tensor factory with a traced ``dtype=`` (no
+literal on its line) follows the same way when its value meets a stream value of that dtype. ``x.to(weight.dtype)`` on a narrow ``x`` (a
+real upcast as traced) is left alone, and so is one whose value meets, at an op that does not
+promote mixed dtypes (a custom op, an in-place op), another input the fix leaves at the old dtype:
+that cast followed the weight it meets, not the stream (transformers' MoE experts:
+``grouped_mm_fallback(input.to(weight.dtype), weight, offs)``). ``type_as`` needs nothing (it follows at run time). Limitation: a cast
 that followed a deliberately wide value through a variable (``a.to(b.dtype)`` with ``b`` an fp32
 island) cannot be told apart from one that followed the stream; every retarget is reported.
 """
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import fx
 
 from fx_precision.dtypes import dtype_name, parse_dtype
 from fx_precision.passes.annotate import GraphAnnotation
+from fx_precision.passes.cast_literals import LITERAL_DTYPE, names_literal_dtype
 from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import module_path, node_dtype, source_line
-
-_LITERAL = re.compile(r"torch\.(float32|float64|float16|bfloat16|float|double|half)\b|\.(float|double|half|bfloat16)\(\)")
+from fx_precision.passes.graph_nodes import is_view, module_path, node_dtype, source_line
 
 
 def _cast_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:
@@ -43,6 +44,25 @@ def _cast_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:
     if isinstance(value, torch.dtype):
         return ("kwargs", "dtype", value)
     return None
+
+
+def _factory_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:
+    """A tensor factory (no tensor inputs: ``torch.tensor([], dtype=D)``, ``torch.zeros(..., dtype=D)``)."""
+    if node.op != "call_function" or node.all_input_nodes:
+        return None
+    value = node.kwargs.get("dtype")
+    return ("kwargs", "dtype", value) if isinstance(value, torch.dtype) else None
+
+
+def _meets_stream_value(node: fx.Node, old: torch.dtype, before: GraphAnnotation) -> bool:
+    """Whether a factory's value meets, at one of its users, a value at ``old`` that the leak made
+    wide: then its dtype followed the stream (transformers' KV cache: ``torch.tensor([], dtype=k.dtype)``)."""
+    for user in node.users:
+        for other in user.all_input_nodes:
+            info = before.info.get(other)
+            if other is not node and info is not None and info.dtype == old and info.kind in ("propagation", "source"):
+                return True
+    return False
 
 
 def retarget_dtype_following(
@@ -60,15 +80,22 @@ def retarget_dtype_following(
         if node.name in inserted or node not in before.info:
             continue
         target = _cast_target(node)
+        factory = target is None
+        if factory:
+            target = _factory_target(node)
         if target is None or target[2] not in narrowed:
             continue
-        source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
-        traced = before.info.get(source) if source is not None else None
-        if traced is None or traced.dtype != target[2] or traced.kind not in ("propagation", "source", "weight"):
-            continue
-        line = source_line(node) or ""
-        code = line.split(": ", 1)[-1]
-        if not line or _LITERAL.search(code):
+        if factory:
+            if not _meets_stream_value(node, target[2], before):
+                continue
+        else:
+            source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+            traced = before.info.get(source) if source is not None else None
+            if traced is None or traced.dtype != target[2] or traced.kind not in ("propagation", "source", "weight"):
+                continue
+        code = (source_line(node) or "").split(": ", 1)[-1]
+        literal = bool(LITERAL_DTYPE.search(code)) if factory else names_literal_dtype(node)
+        if not code or literal or (not factory and _meets_unnarrowed_input(node, target[2], before)):
             continue
         where, key, old = target
         new = narrowed[old]
@@ -78,19 +105,58 @@ def retarget_dtype_following(
             node.args = tuple(args)
         else:
             node.kwargs = {**node.kwargs, "dtype": new}
+        subject = node.args[0] if node.args and isinstance(node.args[0], fx.Node) and not factory else None
         changed.append(
             InsertedCast(
                 node.name,
-                node.args[0].name if isinstance(node.args[0], fx.Node) else str(node.args[0]),
-                dtype_name(node_dtype(node.args[0]) if isinstance(node.args[0], fx.Node) else None),
+                subject.name if subject is not None else node.name,
+                dtype_name(node_dtype(subject) if subject is not None else old),
                 dtype_name(new),
-                f"dtype-following cast retargeted {dtype_name(old)} -> {dtype_name(new)} (traced as {code.strip()!r})",
+                f"dtype-following {'factory' if factory else 'cast'} retargeted {dtype_name(old)} -> {dtype_name(new)} "
+                f"(traced as {code.strip()!r})",
                 module_path(node),
             )
         )
     if changed:
         gm.recompile()
     return changed
+
+
+_STAYS = ("weight", "intentional", "source")  # kinds whose dtype the fix does not narrow (a source only where it leaks)
+
+
+def _promotes_mixed_dtypes(user: fx.Node) -> bool:
+    """False for ops that need their float inputs at one dtype: custom ops (torch.ops outside aten /
+    prims, unknown to autocast and to type promotion) and in-place methods (``index_add_``)."""
+    if user.op == "call_method":
+        return not str(user.target).endswith("_")
+    target = user.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace in ("aten", "prims")
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] in ("aten", "prims")
+    return True
+
+
+def _meets_unnarrowed_input(node: fx.Node, old: torch.dtype, before: GraphAnnotation) -> bool:
+    """Whether ``node``'s value (through views) meets, at an op that does not promote, another float
+    input that stays at ``old``: then the cast followed that input's dtype, not the stream's."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if is_view(user):
+            stack.extend(user.users)
+            continue
+        if _promotes_mixed_dtypes(user):
+            continue
+        for other in user.all_input_nodes:
+            info = before.info.get(other)
+            if other is not node and info is not None and info.dtype == old and info.kind in _STAYS:
+                return True
+    return False
 
 
 def narrowed_map(casts: list[InsertedCast], compute: torch.dtype | None) -> dict[torch.dtype, torch.dtype]:

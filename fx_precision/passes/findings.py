@@ -60,15 +60,29 @@ class Finding:
     propagations: int = 0
     stream_tensors: int = 0
     suggestion: str | None = None
+    round: int = 0
+    masked_by: tuple[str, ...] = ()
+
+    @property
+    def is_source(self) -> bool:
+        return self.kind in (UNCOVERED, PROMOTION)
+
+    @property
+    def masked(self) -> bool:
+        """Surfaced only after an earlier round's sources were cast (invisible in the graph as traced)."""
+        return self.round > 0
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
         data["chain"] = list(self.chain)
+        data["masked_by"] = list(self.masked_by)
         return data
 
     def explain(self) -> str:
         """Multi-line text: the finding, where to change it, and how the wide dtype got there."""
         lines = [f"[{self.severity}] {self.code} {self.kind} at {self.module or '<root>'} (node {self.node}): {self.message}"]
+        if self.masked:
+            lines.append(f"  masked (round {self.round}): visible only once {', '.join(self.masked_by) or 'an earlier source'} is fixed")
         if self.source_line:
             lines.append(f"  source: {self.source_line}")
         if self.chain:
@@ -130,19 +144,19 @@ def graph_findings(
                 fix = f"cast the weight or the result to {dtype_name(compute)}, or gather it at {dtype_name(compute)}"
             out.append(
                 Finding(
-                    CODES[info.source_kind or UNCOVERED],
-                    "error",
-                    info.source_kind or UNCOVERED,
-                    info.module,
-                    info.unit,
-                    info.name,
-                    info.line,
-                    _chain(ann, info, stream),
-                    message + f"; explains {props} propagated node(s), {len(stream)} wide stream tensor(s)",
-                    graph_index,
-                    props,
-                    len(stream),
-                    fix,
+                    code=CODES[info.source_kind or UNCOVERED],
+                    severity="error",
+                    kind=info.source_kind or UNCOVERED,
+                    module=info.module,
+                    unit=info.unit,
+                    node=info.name,
+                    source_line=info.line,
+                    chain=_chain(ann, info, stream),
+                    message=message + f"; explains {props} propagated node(s), {len(stream)} wide stream tensor(s)",
+                    graph=graph_index,
+                    propagations=props,
+                    stream_tensors=len(stream),
+                    suggestion=fix,
                 )
             )
         elif info.kind == "intentional":
@@ -150,20 +164,20 @@ def graph_findings(
             if stream:
                 out.append(
                     Finding(
-                        CODES["explicit-upcast"],
-                        "warn",
-                        "explicit-upcast",
-                        info.module,
-                        info.unit,
-                        info.name,
-                        info.line,
-                        _chain(ann, info, stream),
-                        f"{op_name(info.node)} produces {dtype_name(info.dtype)} as the program asked, and it leaks into the stream "
-                        f"({len(stream)} wide stream tensor(s), first at {stream[0].module or '<root>'})",
-                        graph_index,
-                        props,
-                        len(stream),
-                        "if the wide stream is intended, keep it (the backend never narrows it); "
+                        code=CODES["explicit-upcast"],
+                        severity="warn",
+                        kind="explicit-upcast",
+                        module=info.module,
+                        unit=info.unit,
+                        node=info.name,
+                        source_line=info.line,
+                        chain=_chain(ann, info, stream),
+                        message=f"{op_name(info.node)} produces {dtype_name(info.dtype)} as the program asked, and it leaks into "
+                        f"the stream ({len(stream)} wide stream tensor(s), first at {stream[0].module or '<root>'})",
+                        graph=graph_index,
+                        propagations=props,
+                        stream_tensors=len(stream),
+                        suggestion="if the wide stream is intended, keep it (the backend never narrows it); "
                         f"otherwise cast back to {dtype_name(compute)} before the module returns",
                     )
                 )
@@ -172,35 +186,35 @@ def graph_findings(
             leaks = [s for s in stream if s.node is not info.node]
             out.append(
                 Finding(
-                    CODES["wide-input"],
-                    "warn" if leaks else "info",
-                    "wide-input",
-                    info.module,
-                    info.unit,
-                    info.name,
-                    info.line,
-                    _chain(ann, info, leaks),
-                    f"graph input {info.name} arrives {dtype_name(info.dtype)} (compute {dtype_name(compute)}); likely cause: "
+                    code=CODES["wide-input"],
+                    severity="warn" if leaks else "info",
+                    kind="wide-input",
+                    module=info.module,
+                    unit=info.unit,
+                    node=info.name,
+                    source_line=info.line,
+                    chain=_chain(ann, info, leaks),
+                    message=f"graph input {info.name} arrives {dtype_name(info.dtype)} (compute {dtype_name(compute)}); likely cause: "
                     f"{_input_cause(info, fsdp_cast_inputs)}",
-                    graph_index,
-                    props,
-                    len(leaks),
+                    graph=graph_index,
+                    propagations=props,
+                    stream_tensors=len(leaks),
                 )
             )
     out.extend(_round_trips(ann, graph_index))
     for info, planned in mismatches or []:
         out.append(
             Finding(
-                CODES["plan-mismatch"],
-                "warn",
-                "plan-mismatch",
-                info.module,
-                info.unit,
-                info.name,
-                info.line,
-                (),
-                f"parameter {info.param} is seen at {dtype_name(info.dtype)}, the plan gathers it at {dtype_name(planned)}",
-                graph_index,
+                code=CODES["plan-mismatch"],
+                severity="warn",
+                kind="plan-mismatch",
+                module=info.module,
+                unit=info.unit,
+                node=info.name,
+                source_line=info.line,
+                chain=(),
+                message=f"parameter {info.param} is seen at {dtype_name(info.dtype)}, the plan gathers it at {dtype_name(planned)}",
+                graph=graph_index,
                 suggestion="apply the same plan with apply_fsdp2, or recompile the plan for this model",
             )
         )
@@ -232,16 +246,16 @@ def _round_trips(ann: GraphAnnotation, graph_index: int) -> list[Finding]:
         chain = (ann.info[start].describe(), ann.info[middle].describe(), info.describe())
         out.append(
             Finding(
-                CODES["round-trip-cast"],
-                "info",
-                "round-trip-cast",
-                info.module,
-                info.unit,
-                info.name,
-                source_line(node),
-                chain,
-                f"{dtype_name(a)} -> {dtype_name(b)} -> {dtype_name(c)} with no op between: both casts do nothing but move bytes",
-                graph_index,
+                code=CODES["round-trip-cast"],
+                severity="info",
+                kind="round-trip-cast",
+                module=info.module,
+                unit=info.unit,
+                node=info.name,
+                source_line=source_line(node),
+                chain=chain,
+                message=f"{dtype_name(a)} -> {dtype_name(b)} -> {dtype_name(c)} with no op between: both casts do nothing but move bytes",
+                graph=graph_index,
                 suggestion="drop both casts",
             )
         )
@@ -285,17 +299,17 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
         saved = sum(int(_numel(w)) * (w.dtype.itemsize - compute.itemsize) for w, _ in used if w.dtype is not None)
         out.append(
             Finding(
-                CODES["wide-gather"],
-                "info",
-                "wide-gather",
-                unit,
-                unit,
-                used[0][0].name,
-                None,
-                (),
-                f"unit {target} gathers {len(used)} weight(s) at {dtype_name(used[0][0].dtype)}, but every use is an autocast-covered "
-                f"op that runs at {dtype_name(compute)}: the all-gather could move {saved} fewer bytes per step",
-                graph_index,
+                code=CODES["wide-gather"],
+                severity="info",
+                kind="wide-gather",
+                module=unit,
+                unit=unit,
+                node=used[0][0].name,
+                source_line=None,
+                chain=(),
+                message=f"unit {target} gathers {len(used)} weight(s) at {dtype_name(used[0][0].dtype)}, but every use is an "
+                f"autocast-covered op that runs at {dtype_name(compute)}: the all-gather could move {saved} fewer bytes per step",
+                graph=graph_index,
                 suggestion=rule,
             )
         )

@@ -1,0 +1,124 @@
+"""The fixed point: sources a propagation hides until its upstream is fixed, in lint and backend."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import fx_precision as fxp
+from tests import lint_models as lm
+
+BF16 = torch.bfloat16
+
+
+def hand_fixed(model: lm.EmbedLlamaNorm) -> nn.Module:
+    """The fix a user writes by hand: cast the embedding's and the norm's outputs to bf16."""
+    fixed = copy.deepcopy(model)
+    for module in (fixed.embed, fixed.norm):
+        module.register_forward_hook(lambda _m, _a, out: out.to(BF16))
+    return fixed
+
+
+def test_lint_lists_the_masked_norm_with_what_masked_it() -> None:
+    torch.manual_seed(0)
+    with torch.autocast("cpu", dtype=BF16):
+        report = fxp.lint(lm.EmbedLlamaNorm(), torch.randint(0, 32, (2, 4)))
+    embed, norm = sorted(report.findings, key=lambda f: f.round)
+    assert (embed.kind, embed.module, embed.round, embed.masked_by) == ("uncovered-op", "embed", 0, ())
+    assert (norm.kind, norm.module, norm.round) == ("weight-promotion", "norm", 1)
+    assert norm.masked_by == (embed.node,) and norm.masked
+    assert "self.weight * h.to(input_dtype)" in (norm.source_line or "")
+    assert report.graphs[0].rounds == 2
+    data = report.to_dict()["graphs"][0]
+    assert data["rounds"] == 2 and [f["masked_by"] for f in data["findings"]] == [[], [embed.node]]
+    assert "masked (round 1)" in report.render()
+
+
+def test_lint_on_a_fixed_model_has_no_masked_findings() -> None:
+    model = lm.EmbedLlamaNorm()
+    plan = fxp.compile_precision(model, fxp.parse_precision_rules("embed=bf16; norm=bf16"), default_gather="fp32")
+    with torch.autocast("cpu", dtype=BF16):
+        report = fxp.lint(model, torch.randint(0, 32, (2, 4)), plan=plan)
+    assert [f for f in report.findings if f.is_source] == [] and report.graphs[0].rounds == 0
+
+
+def test_backend_fixes_both_rounds_in_one_compile_and_matches_the_hand_fix() -> None:
+    torch.manual_seed(0)
+    model = lm.EmbedLlamaNorm()
+    ids = torch.randint(0, 32, (2, 4))
+    with torch.autocast("cpu", dtype=BF16):
+        want = hand_fixed(model)(ids)
+        backend = fxp.make_precision_backend(inner="aot_eager")
+        got = torch.compile(model, backend=backend)(ids)
+    assert torch.equal(got, want)
+    (report,) = backend.reports
+    assert report.rounds == 2 and report.after == []
+    assert [(f.module, f.round) for f in report.before if f.is_source] == [("embed", 0), ("norm", 1)]
+    assert [c.module for c in report.source_casts] == ["embed", "norm"]
+    assert report.stream_after.get("fp32", 0) == 0 and report.stream_before["fp32"] > 0
+    got.float().sum().backward()
+    assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
+
+
+def test_a_cast_that_follows_a_weight_into_a_custom_op_is_not_retargeted() -> None:
+    """``op(x.to(w.dtype), w)`` with a custom op: the cast followed ``w`` (fp32), not the stream."""
+
+    @torch.library.custom_op("fxp_test::weighted", mutates_args=())
+    def weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return torch.mm(x, w)  # needs one dtype: fails on bf16 x fp32
+
+    @weighted.register_fake
+    def _(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[1])
+
+    class Experts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.w = nn.Parameter(torch.randn(16, 16))
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            h = self.embed(ids).flatten(0, 1)
+            return h + weighted(h.to(self.w.dtype), self.w).to(h.dtype)
+
+    backend = fxp.make_precision_backend(inner="aot_eager")
+    with torch.autocast("cpu", dtype=BF16), torch.no_grad():  # the op has no autograd formula; forward is the point
+        out = torch.compile(Experts(), backend=backend)(torch.randint(0, 32, (2, 4)))
+    assert out.dtype == BF16
+    (retargeted,) = backend.reports[0].retargeted  # .to(h.dtype) of the op's output; not h.to(self.w.dtype)
+    assert retargeted.of.startswith("weighted")
+
+
+@pytest.mark.parametrize("literal", [True, False])
+def test_a_literal_cast_and_a_following_cast_on_one_line_are_told_apart(literal: bool) -> None:
+    """``F.layer_norm(h.to(dtype=torch.float32), ...).to(orig)``: only the second follows the stream."""
+
+    class Norm(nn.Module):
+        def forward(self, h: torch.Tensor) -> torch.Tensor:
+            if literal:
+                return nn.functional.layer_norm(h.to(dtype=torch.float32), h.shape[-1:]).to(torch.float32)
+            orig = h.dtype
+            return nn.functional.layer_norm(h.to(dtype=torch.float32), h.shape[-1:]).to(orig)
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.norm = Norm()
+            self.head = nn.Linear(16, 4)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.head(self.norm(self.embed(ids)))
+
+    backend = fxp.make_precision_backend(inner="aot_eager")
+    with torch.autocast("cpu", dtype=BF16):
+        torch.compile(Net(), backend=backend)(torch.randint(0, 32, (2, 4)))
+    (report,) = backend.reports
+    if literal:  # the program asked for an fp32 norm output: kept, reported, never narrowed
+        assert report.retargeted == [] and [f.kind for f in report.after] == ["explicit-upcast"]
+    else:
+        assert [r.reason.split(" (")[0] for r in report.retargeted] == ["dtype-following cast retargeted fp32 -> bf16"]
+        assert report.after == [] and report.stream_after.get("fp32", 0) == 0
