@@ -29,7 +29,7 @@ from fx_precision.errors import PrecisionError
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
 from fx_precision.passes.findings import Finding, severity_rank
 from fx_precision.passes.fixed_point import fix_to_fixed_point
-from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.gather_emulation import CastKind, InsertedCast
 from fx_precision.passes.repropagate import graph_device_type
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan
@@ -65,20 +65,20 @@ class GraphReport:
     note: str = ""
     rounds: int = 0
 
-    def casts_for(self, reason_prefix: str) -> list[InsertedCast]:
-        return [c for c in self.casts if c.reason.startswith(reason_prefix)]
+    def casts_of(self, *kinds: CastKind) -> list[InsertedCast]:
+        return [c for c in self.casts if c.kind in kinds]
 
     @property
     def gather_casts(self) -> list[InsertedCast]:
-        return self.casts_for("gather emulation")
+        return self.casts_of(CastKind.GATHER)
 
     @property
     def source_casts(self) -> list[InsertedCast]:
-        return self.casts_for("FXP0")
+        return self.casts_of(CastKind.SOURCE_OUTPUT, CastKind.SOURCE_OPERAND)
 
     @property
     def retargeted(self) -> list[InsertedCast]:
-        return self.casts_for("dtype-following")
+        return self.casts_of(CastKind.RETARGET)
 
     def summary(self) -> str:
         lines = [

@@ -34,6 +34,7 @@ import torch.nn.functional as F
 from tabulate import tabulate
 from torch import nn
 
+from fx_precision.archs import input_embedding_fqns
 from fx_precision.backend import make_precision_backend
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
@@ -42,7 +43,18 @@ from fx_precision.plan import PrecisionPlan, compile_precision
 from fx_precision.spec import parse_precision_rules
 from fx_precision.zoo import build_model, forward_kwargs, logits_of, token_batch, vocab_size
 
-EMBED_RULE = "*embed_tokens=bf16"
+EMBED_RULE = "<input embeddings>=bf16"  # by role: input_embedding_fqns(model), whatever they are named
+
+
+def embedding_rules(model: nn.Module) -> str:
+    """Rule text gathering the model's input embeddings (found by role) at bf16."""
+    fqns = input_embedding_fqns(model)
+    if not fqns:
+        raise PrecisionError(
+            f"{type(model).__name__} has no input embedding (no get_input_embeddings(), no nn.Embedding): the bench's "
+            "plan variant gathers the embedding at bf16; give the model one or bench another model"
+        )
+    return "; ".join(f"{fqn}=bf16" for fqn in fqns)
 
 
 @dataclass(frozen=True)
@@ -125,11 +137,18 @@ def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
 
 
 class _SavedBytes:
-    """Float bytes autograd saves for backward during a forward (parameters excluded, deduplicated)."""
+    """Float bytes autograd saves for backward during a forward (parameters excluded, deduplicated).
 
-    def __init__(self, params: set[int], tokens: int) -> None:
+    *Activations* are the per-token tensors among them. A tensor shaped like a parameter (or its
+    transpose) is not one, even when a dimension equals the token count: autocast's bf16 copy of
+    an fp32 master weight is saved for backward too, and in the quick bench the tiny Qwen3.5's
+    (128, 48) MLP weights have exactly 2 x 64 = 128 rows.
+    """
+
+    def __init__(self, params: set[int], tokens: int, param_shapes: set[tuple[int, ...]]) -> None:
         self.params = params
         self.tokens = tokens
+        self.param_shapes = param_shapes
         self.seen: set[tuple[int, int, torch.dtype]] = set()
         self.by_dtype: Counter[str] = Counter()
         self.activations: Counter[str] = Counter()
@@ -141,7 +160,9 @@ class _SavedBytes:
                 self.seen.add(key)
                 nbytes = t.numel() * t.element_size()
                 self.by_dtype[dtype_name(t.dtype)] += nbytes
-                if per_token_size(tuple(t.shape), self.tokens) is not None:
+                shape = tuple(t.shape)
+                weight_like = shape in self.param_shapes or shape[::-1] in self.param_shapes
+                if not weight_like and per_token_size(shape, self.tokens) is not None:
                     self.activations[dtype_name(t.dtype)] += nbytes
         return t
 
@@ -209,7 +230,7 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
         model.to(torch.bfloat16)
     ids = token_batch(model, batch=batch, seq_len=seq_len, seed=1, device=device)
     kwargs = forward_kwargs(model)
-    plan = compile_precision(model, parse_precision_rules(EMBED_RULE), default_gather="fp32")
+    plan = compile_precision(model, parse_precision_rules(embedding_rules(model)), default_gather="fp32")
     backend: Any = None
     if variant.name == "precision_backend + plan":
         backend = make_precision_backend(plan=plan)
@@ -220,7 +241,7 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
         forward = torch.compile(model, backend=backend or "inductor")
     fix = gathered_eagerly(model, plan) if variant.name == "eager both fixes" else contextlib.nullcontext()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
-    saved = _SavedBytes(params, batch * seq_len)
+    saved = _SavedBytes(params, batch * seq_len, {tuple(p.shape) for p in model.parameters()})
 
     def step(record: bool = False) -> None:
         for p in model.parameters():

@@ -61,8 +61,9 @@ def _check_plan_matches(model: nn.Module, plan: PrecisionPlan) -> None:
         )
     modules = dict(model.named_modules())
     for unit in plan.units:
-        if unit.fqn not in modules:
-            raise PrecisionError(f"plan unit {unit_label(unit.fqn)!r} is not a module of this model; recompile the plan")
+        for fqn in unit.group or (unit.fqn,):
+            if fqn not in modules:
+                raise PrecisionError(f"plan unit {unit.label!r}: {unit_label(fqn)!r} is not a module of this model; recompile the plan")
     fsdp = _fsdp()
     for fqn, module in modules.items():
         if isinstance(module, fsdp.FSDPModule):
@@ -109,8 +110,9 @@ def apply_fsdp2(
         kwargs["offload_policy"] = offload_policy
     for unit in plan.units:
         mp = fsdp.MixedPrecisionPolicy(param_dtype=unit.gather, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs)
-        fsdp.fully_shard(modules[unit.fqn], mp_policy=mp, **kwargs)
-        applied.append(AppliedUnit(unit.fqn, unit.gather, reduce_dtype, cast_forward_inputs))
+        target = [modules[fqn] for fqn in unit.group] if unit.group else modules[unit.fqn]  # a group: one fully_shard, several modules
+        fsdp.fully_shard(target, mp_policy=mp, **kwargs)
+        applied.append(AppliedUnit(unit.label, unit.gather, reduce_dtype, cast_forward_inputs))
     return applied
 
 

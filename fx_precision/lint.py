@@ -240,7 +240,7 @@ def lint(
             # the masked sources: fix this graph's sources on a copy, round after round
             copy = copy_graph_module(cap.gm)
             fixed = fix_to_fixed_point(
-                copy, analyse(copy, False), lambda c=copy: analyse(c, False), compute=compute, device_type=device_type
+                copy, analyse(copy, False), lambda c=copy: analyse(c, False), compute=compute, device_type=device_type, narrow_covered=False
             )
             # round 0 as analysed here (gather emulation, plan mismatches), less the sources the fixed point
             # found to be artefacts of the leak; then what surfaced in later rounds

@@ -29,7 +29,7 @@ import difflib
 import fnmatch
 import json
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -66,7 +66,9 @@ class ParamPlan:
 class UnitPlan:
     """One ``fully_shard`` call: the module at ``fqn`` with ``param_dtype=gather``.
 
-    ``kind``: ``root`` | ``wrap`` (asked for by ``wrap=``) | ``precision`` (needed by the spec).
+    ``kind``: ``root`` | ``wrap`` (asked for by ``wrap=``) | ``precision`` (needed by the spec) |
+    ``group`` (the modules in ``group`` sharing a tied parameter, sharded by one
+    ``fully_shard([m1, m2])``; ``fqn`` is the first of them).
     ``params``: canonical FQNs of the parameters this unit claims. ``modules``: FQNs of the
     modules whose nearest enclosing unit this is.
     """
@@ -77,6 +79,12 @@ class UnitPlan:
     params: tuple[str, ...]
     modules: tuple[str, ...]
     reason: str
+    group: tuple[str, ...] = ()
+
+    @property
+    def label(self) -> str:
+        """How tables name the unit: ``<root>``, a module FQN, or ``a+b`` for a group unit."""
+        return "+".join(self.group) if self.group else unit_label(self.fqn)
 
 
 @dataclass
@@ -126,7 +134,7 @@ class PrecisionPlan:
             masters = sorted({dtype_name(p.master) for p in params})
             rows.append(
                 {
-                    "unit": unit_label(unit.fqn),
+                    "unit": unit.label,
                     "kind": unit.kind,
                     "modules": len(unit.modules),
                     "params": len(params),
@@ -165,6 +173,7 @@ class PrecisionPlan:
                 {
                     "fqn": u.fqn,
                     "kind": u.kind,
+                    "group": list(u.group),
                     "gather": dtype_name(u.gather),
                     "params": list(u.params),
                     "modules": list(u.modules),
@@ -229,7 +238,17 @@ class PrecisionPlan:
         for u in data["units"]:
             if u["fqn"] not in module_fqns:
                 raise PrecisionError(f"plan JSON unit {unit_label(u['fqn'])!r} is not a module of this model; recompile the plan")
-            units.append(UnitPlan(u["fqn"], u["kind"], parse_dtype(u["gather"]), tuple(u["params"]), tuple(u["modules"]), u["rule"]))
+            units.append(
+                UnitPlan(
+                    u["fqn"],
+                    u["kind"],
+                    parse_dtype(u["gather"]),
+                    tuple(u["params"]),
+                    tuple(u["modules"]),
+                    u["rule"],
+                    tuple(u.get("group", ())),
+                )
+            )
         dm = data.get("default_master")
         return cls(
             params=params,
@@ -462,9 +481,11 @@ def compile_precision(
 
     selected = [(rule, _selected_aliases(rule, module_paths, aliases, buffers)) for rule in spec.rules]
     resolved = _resolve_params(infos, selected, default_gather, default_master)
-    direct = _direct_gathers(graph, infos, resolved, default_gather)
+    grouped = _group_units(graph, infos, resolved, default_gather)
+    solved = {key: r for key, r in resolved.items() if key not in grouped.claims}
+    direct = _direct_gathers(graph, infos, solved, default_gather)
     forced = _forced_units(graph, module_paths, wrap)
-    candidates = sorted({default_gather} | {g.dtype for g, _ in resolved.values()}, key=lambda d: (d != default_gather, str(d)))
+    candidates = sorted({default_gather} | {g.dtype for g, _ in solved.values()}, key=lambda d: (d != default_gather, str(d)))
 
     extra_forced: set[int] = set()
     while True:  # solve; force a shared module into a unit if FSDP2 would claim its weights wrongly
@@ -473,9 +494,9 @@ def compile_precision(
         claims: dict[int, int] = {}
         for unit_key in order:
             for _, param in graph.modules[unit_key].named_parameters():
-                if id(param) in resolved and id(param) not in claims:
+                if id(param) in solved and id(param) not in claims:
                     claims[id(param)] = unit_key
-        fix = _check_claims(graph, infos, resolved, chosen, claims)
+        fix = _check_claims(graph, infos, solved, chosen, claims)
         if fix is None:
             break
         if fix in extra_forced or fix in forced:  # pragma: no cover - defensive: no progress possible
@@ -491,11 +512,12 @@ def compile_precision(
             master=m.dtype,
             gather_rule=g.rule,
             master_rule=m.rule,
-            unit=graph.first_fqn[claims[key]],
+            unit=grouped.claims[key].fqn if key in grouped.claims else graph.first_fqn[claims[key]],
         )
         for key, (g, m) in resolved.items()
     }
     units = _assemble_units(graph, order, chosen, claims, infos, params, forced, extra_forced, default_gather)
+    units = _insert_groups(graph, units, grouped.units)
     return PrecisionPlan(
         params=params,
         units=tuple(units),
@@ -522,17 +544,27 @@ def _resolve_params(
             (alias, _resolve_axis(selected, alias, "gather", default_gather), _resolve_axis(selected, alias, "master", master_default))
             for alias in info.aliases
         ]
-        first_alias, g0, m0 = per_alias[0]
-        for alias, g, m in per_alias[1:]:
-            if g.dtype != g0.dtype or m.dtype != m0.dtype:
-                raise PrecisionError(
-                    f"tied parameter {first_alias} (also {alias}) gets gather {dtype_name(g0.dtype)}/master "
-                    f"{dtype_name(m0.dtype)} via {g0.rule or m0.rule or 'the defaults'} but gather {dtype_name(g.dtype)}/"
-                    f"master {dtype_name(m.dtype)} via {g.rule or m.rule or 'the defaults'}. One object has one dtype: "
-                    f"select every alias in the rule (e.g. add a rule for {alias.rpartition('.')[0] or alias}) or untie the weights."
-                )
+        g0 = _merge_aliases(info, [(alias, g) for alias, g, _ in per_alias], "gather")
+        m0 = _merge_aliases(info, [(alias, m) for alias, _, m in per_alias], "master")
         resolved[key] = (g0, m0)
     return resolved
+
+
+def _merge_aliases(info: ParamInfo, per_alias: list[tuple[str, _Resolved]], axis: str) -> _Resolved:
+    """One object, one dtype: an explicit rule on any alias wins over the run default on the others;
+    two explicit rules that disagree are an error."""
+    explicit = [(alias, r) for alias, r in per_alias if r.rule is not None]
+    if not explicit:
+        return per_alias[0][1]
+    (first_alias, first), *others = explicit
+    for alias, r in others:
+        if r.dtype != first.dtype:
+            raise PrecisionError(
+                f"tied parameter {info.fqn} (also {', '.join(info.aliases[1:])}): rule {first.rule!r} gives alias {first_alias} "
+                f"{axis} {dtype_name(first.dtype)} but rule {r.rule!r} gives alias {alias} {axis} {dtype_name(r.dtype)}. "
+                "One object has one dtype: make the rules agree, or untie the weights."
+            )
+    return first
 
 
 def _direct_gathers(
@@ -566,6 +598,83 @@ def _direct_gathers(
             "can express it. Change default_gather, move the parameter into a submodule, or untie it."
         )
     return direct
+
+
+@dataclass
+class _Groups:
+    units: list[tuple[UnitPlan, list[int]]]  # (group unit, keys of its holder modules)
+    claims: dict[int, UnitPlan]  # parameter key -> the group unit that claims it
+
+
+def _group_units(
+    graph: ModuleGraph, infos: dict[int, ParamInfo], resolved: dict[int, tuple[_Resolved, _Resolved]], default_gather: torch.dtype
+) -> _Groups:
+    """A group unit (``fully_shard([m1, m2, ...])``) for each tied parameter gathered off the default.
+
+    The tied parameter's home is the common dominator of its holders (the root for an embedding
+    tied to ``lm_head``), which gathers at the default; a group of exactly the holding modules
+    gathers it at its own dtype instead. FSDP2 claims every parameter reachable from the group's
+    modules, so the holders' other parameters must need the same gather dtype.
+    """
+    groups = _Groups([], {})
+    for key, (g, _) in resolved.items():
+        info = infos[key]
+        if len(info.holders) < 2 or g.dtype == default_gather:
+            continue
+        members = [graph.first_fqn[h] for h in info.holders]
+        for holder in info.holders:
+            for name, param in graph.modules[holder].named_parameters():
+                other = resolved.get(id(param))
+                if other is not None and id(param) != key and other[0].dtype != g.dtype:
+                    raise PrecisionError(
+                        f"tied parameter {info.fqn} (also {', '.join(info.aliases[1:])}) gathers at {dtype_name(g.dtype)} "
+                        f"({g.rule}), so its modules {', '.join(members)} form one FSDP2 group unit; but "
+                        f"{graph.first_fqn[holder]}.{name} in that group gathers at {dtype_name(other[0].dtype)}. Give them "
+                        "one gather dtype, or keep the tied weight at the default gather and cast the embedding's output "
+                        "instead (precision_backend's source cast under torch.compile; an eager forward hook otherwise)."
+                    )
+        label = "+".join(members)
+        params = tuple(
+            sorted({infos[id(p)].fqn for h in info.holders for _, p in graph.modules[h].named_parameters() if id(p) in resolved})
+        )
+        unit = UnitPlan(
+            fqn=members[0],
+            kind="group",
+            gather=g.dtype,
+            params=params,
+            modules=tuple(members),
+            reason=f"{g.rule}; tied: group {label}, the gathered weight stays alive from its first use to its last",
+            group=tuple(members),
+        )
+        groups.units.append((unit, list(info.holders)))
+        for h in info.holders:
+            for _, param in graph.modules[h].named_parameters():
+                if id(param) in resolved:
+                    groups.claims[id(param)] = unit
+    return groups
+
+
+def _insert_groups(graph: ModuleGraph, units: list[UnitPlan], groups: list[tuple[UnitPlan, list[int]]]) -> list[UnitPlan]:
+    """Each group unit goes before the first unit that contains one of its modules (so it claims first)."""
+    out = list(units)
+    for unit, holders in groups:
+        members = set(unit.group)
+        for member in members:
+            for other in out:
+                if other.kind != "group" and other.fqn == member:
+                    raise PrecisionError(
+                        f"module {member!r} is both a unit of its own ({other.reason}) and part of the tied group {unit.label}; "
+                        "drop it from wrap= or untie the weights"
+                    )
+        holder_paths = [p for h in holders for p in graph.all_paths[h]]
+
+        def contains(u: UnitPlan, paths: list[str] = holder_paths) -> bool:
+            return any(u.fqn == "" or p == u.fqn or p.startswith(u.fqn + ".") for p in paths)
+
+        at = next(i for i, u in enumerate(out) if u.kind != "group" and contains(u))
+        out = [u if u.kind == "group" else replace(u, modules=tuple(m for m in u.modules if m not in members)) for u in out]
+        out.insert(at, unit)
+    return out
 
 
 def _forced_units(graph: ModuleGraph, module_paths: list[tuple[str, nn.Module]], wrap: Sequence[str]) -> dict[int, str]:

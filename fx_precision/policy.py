@@ -105,4 +105,5 @@ def resolve_policy(
         spec=PrecisionSpec(),
         cast_forward_inputs=cast_forward_inputs,
     )
-    return replace(base, spec=arch_rules(_config_of(model_or_config), base) + (spec or PrecisionSpec()))
+    model = model_or_config if isinstance(model_or_config, nn.Module) else None
+    return replace(base, spec=arch_rules(_config_of(model_or_config), base, model) + (spec or PrecisionSpec()))

@@ -1,6 +1,7 @@
 """Models by name for the command line, tests and benchmarks (random init, no download).
 
-qwen3_5-tiny       Qwen3_5ForCausalLM, 4 layers (linear, full, linear, full), hidden 64
+qwen3_5-tiny       Qwen3_5ForCausalLM, 4 layers (linear, full, linear, full), hidden 48
+qwen3_5-tiny-tied  the same with tie_word_embeddings=True (as small Qwen3 / Qwen3.5 checkpoints ship)
 qwen3_5-4b-slice   Qwen3.5-4B layer dimensions, 2 layers (one linear-, one full-attention)
 qwen3_5-4b         Qwen3.5-4B text dimensions, 32 layers (for meta-device lint)
 toy-decoder        the hand-written ToyDecoder (needs no transformers)
@@ -41,6 +42,8 @@ def qwen3_5_config(name: str) -> Any:
     embedding is left untied so that an embedding gather rule does not also select ``lm_head``.
     """
     transformers = _transformers()
+    tied = name.endswith("-tied")
+    name = name.removesuffix("-tied")
     if name == "qwen3_5-tiny":
         kwargs: dict[str, Any] = dict(
             vocab_size=256,
@@ -77,7 +80,7 @@ def qwen3_5_config(name: str) -> Any:
         )
         if name == "qwen3_5-4b-slice":
             kwargs.update(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"])
-    return transformers.Qwen3_5TextConfig(tie_word_embeddings=False, **kwargs)
+    return transformers.Qwen3_5TextConfig(tie_word_embeddings=tied, **kwargs)
 
 
 def _qwen3_5(name: str) -> Callable[[], nn.Module]:
@@ -90,6 +93,7 @@ def _qwen3_5(name: str) -> Callable[[], nn.Module]:
 
 BUILTIN: dict[str, Callable[[], nn.Module]] = {
     "qwen3_5-tiny": _qwen3_5("qwen3_5-tiny"),
+    "qwen3_5-tiny-tied": _qwen3_5("qwen3_5-tiny-tied"),
     "qwen3_5-4b-slice": _qwen3_5("qwen3_5-4b-slice"),
     "qwen3_5-4b": _qwen3_5("qwen3_5-4b"),
     "toy-decoder": ToyDecoder,

@@ -76,8 +76,9 @@ def train_step(rank: int, world_size: int, model_name: str, rules: str, compute:
     if rank != 0:
         return None
     return {
-        "plan_gather": {fqn: p.gather for fqn, p in plan.params.items()},
-        "unit_of": {fqn: p.unit for fqn, p in plan.params.items()},
+        "plan_gather": {alias: p.gather for p in plan.params.values() for alias in p.aliases},
+        # the modules a parameter's unit shards (a group unit: every module sharing a tied weight)
+        "unit_of": {alias: plan.unit(p.unit).group or (p.unit,) for p in plan.params.values() for alias in p.aliases},
         "seen": seen,
         "loss": float(loss_sum) / world_size,
         "sharded": sharded,

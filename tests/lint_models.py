@@ -126,3 +126,25 @@ class EmbedLlamaNorm(nn.Module):
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.embed(ids)))
+
+
+class TokEmbeddingsDecoder(nn.Module):
+    """The hand-written decoder with its embedding named as other training frameworks name it
+    (``tok_embeddings``): nothing here is called ``embed_tokens``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from fx_precision.toy_decoder import ToyDecoder
+
+        toy = ToyDecoder()
+        self.vocab_size = toy.vocab_size
+        self.tok_embeddings = toy.model.embed_tokens
+        self.layers = toy.model.layers
+        self.norm = toy.model.norm
+        self.output = toy.lm_head
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        h = self.tok_embeddings(input_ids)
+        for layer in self.layers:
+            h = layer(h)
+        return self.output(self.norm(h))

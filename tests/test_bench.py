@@ -43,8 +43,11 @@ def test_wrapper_parse_reads_signatures_shapes_and_externs() -> None:
 
 
 def test_bench_cli_on_the_hand_written_decoder(tmp_path: object) -> None:
+    """The quick path on a decoder whose embedding is called ``tok_embeddings``: the plan variant
+    finds it by role (``*embed_tokens`` would select nothing)."""
     out = f"{tmp_path}/bench.json"
-    args = ["bench", "--model", "toy-decoder", "--batch", "2", "--seq-len", "8", "--steps", "1", "--json", out]
+    model = "tests.lint_models:TokEmbeddingsDecoder"
+    args = ["bench", "--quick", "--model", model, "--batch", "2", "--seq-len", "8", "--steps", "1", "--json", out]
     result = subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=900)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.load(open(out))
@@ -64,3 +67,5 @@ def test_bench_cli_on_the_hand_written_decoder(tmp_path: object) -> None:
         assert r["saved_activation_bytes_total"] < rows["inductor"]["saved_activation_bytes_total"], name
         assert r["pass_seconds"] > 0 and r["compile_seconds"] > 0
     assert "fp32-stream kernels" in result.stdout and "precision_backend + plan" in result.stdout
+    gathered = [c for c in rows["precision_backend + plan"]["casts"] if c["kind"] == "gather-emulation"]
+    assert [c["of"] for c in gathered] == ["tok_embeddings.weight"]

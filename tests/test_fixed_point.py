@@ -111,7 +111,8 @@ def test_a_literal_cast_and_a_following_cast_on_one_line_are_told_apart(literal:
             self.head = nn.Linear(16, 4)
 
         def forward(self, ids: torch.Tensor) -> torch.Tensor:
-            return self.head(self.norm(self.embed(ids)))
+            h = self.embed(ids)
+            return self.head(self.norm(h) + h)  # the residual add is not autocast-covered: the norm's dtype shows
 
     backend = fxp.make_precision_backend(inner="aot_eager")
     with torch.autocast("cpu", dtype=BF16):

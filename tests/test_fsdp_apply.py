@@ -32,8 +32,8 @@ def _check_seen_matches_plan(result: dict) -> None:
             continue  # the root pre-hook runs before the inner units gather: it sees their shards
         for name, dtype in params.items():
             fqn = f"{module_fqn}.{name}" if module_fqn else name
-            unit = result["unit_of"][fqn]
-            if unit != module_fqn and not module_fqn.startswith(unit + ".") and unit != "":
+            owners = result["unit_of"][fqn]
+            if not any(unit == "" or unit == module_fqn or module_fqn.startswith(unit + ".") for unit in owners):
                 continue  # an inner unit's parameters, seen before that unit's own pre-forward gather
             assert dtype == plan_gather[fqn], f"{fqn} seen by {module_fqn} at {dtype}, plan says {plan_gather[fqn]}"
             checked.add(fqn)
@@ -70,12 +70,19 @@ def test_two_ranks_match_one_rank_and_plan(model_name: str, tmp_path: object) ->
         assert torch.equal(two["restored"][fqn], value), fqn
 
 
-def test_qwen3_5_bf16_autocast_resolved_policy_gathers_embedding_at_bf16() -> None:
+@pytest.mark.parametrize("model_name", ["qwen3_5-tiny", "qwen3_5-tiny-tied"])
+def test_qwen3_5_bf16_autocast_resolved_policy_gathers_embedding_at_bf16(model_name: str, tmp_path: object) -> None:
+    """Untied and tied (embedding = lm_head: one group unit, ``fully_shard([embed_tokens, lm_head])``)."""
     pytest.importorskip("transformers", reason="tiny Qwen3.5 needs transformers (the dev extra installs it)")
-    (result,) = [r for r in run_on_ranks(fsdp_workers.train_step, 2, "qwen3_5-tiny", "", "bf16", None) if r]
+    (result,) = [r for r in run_on_ranks(fsdp_workers.train_step, 2, model_name, "", "bf16", str(tmp_path)) if r]
     assert result["cast_forward_inputs"] is False
     _check_seen_matches_plan(result)
     assert result["seen"]["model.embed_tokens"]["weight"] == torch.bfloat16
+    if model_name.endswith("tied"):
+        assert result["seen"]["lm_head"]["weight"] == torch.bfloat16  # one object: gathered once, for both uses
+        assert result["unit_of"]["lm_head.weight"] == ("model.embed_tokens", "lm_head")
+    for fqn, value in result["params"].items():  # one SGD step ran; DCP restores exactly what it saved
+        assert torch.equal(result["restored"][fqn], value), fqn
     assert result["seen"]["model.layers.1.self_attn.q_proj"]["weight"] == torch.float32
     _check_master_and_grads_fp32(result)
     assert all(not mp.cast_forward_inputs for _, mp in result["units"])
@@ -91,17 +98,17 @@ def test_default_policy_wraps_like_plain_per_layer_fsdp2() -> None:
 
 @pytest.mark.parametrize(
     ("rules", "tie", "message"),
-    [("*embed_tokenz=bf16", False, "selects no module"), ("model.embed_tokens=bf16", True, "tied parameter")],
+    [
+        ("*embed_tokenz=bf16", False, "selects no module"),
+        ("model.embed_tokens=bf16; lm_head=fp32", True, "tied parameter"),  # two explicit rules on one object
+    ],
 )
-def test_bad_plan_raises_before_any_fully_shard(rules: str, tie: bool, message: str) -> None:
-    """The error comes from the plan (before apply) or apply's validation; parameters stay plain."""
+def test_bad_rules_raise_in_compile_precision(rules: str, tie: bool, message: str) -> None:
     model = build_model("toy-decoder")
     if tie:
         model.lm_head.weight = model.model.embed_tokens.weight
     with pytest.raises(PrecisionError, match=message):
-        plan = compile_precision(model, parse_precision_rules(rules), default_gather="fp32", wrap=layer_wrap_globs(model))
-        apply_fsdp2(model, plan, mesh=None)
-    assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+        compile_precision(model, parse_precision_rules(rules), default_gather="fp32", wrap=layer_wrap_globs(model))
 
 
 def test_apply_rejects_a_plan_for_another_model_without_touching_it() -> None:

@@ -226,16 +226,38 @@ def test_gather_rule_on_a_buffer_is_an_error() -> None:
         plan_of(net, "param:*table=bf16")
 
 
-def test_tied_parameters_with_conflicting_dtypes_are_an_error() -> None:
+def test_tied_parameters_with_conflicting_explicit_rules_are_an_error() -> None:
     """
     Net [unit]
     ├── embed {bf16?}  ─┐ one Parameter, two names
-    └── head  {fp32?}  ─┘ <- embed=bf16 selects only one alias -> error naming both
+    └── head  {fp32?}  ─┘ <- embed=bf16 and head=fp32: two explicit rules disagree -> error naming both
     """
     net = Net()
     net.head.weight = net.embed.weight
-    with pytest.raises(PrecisionError, match=r"tied parameter embed.weight \(also head.weight\).*add a rule for head"):
-        plan_of(net, "embed=bf16")
+    with pytest.raises(PrecisionError, match=r"tied parameter embed.weight \(also head.weight\).*'embed=bf16'.*'head=fp32'"):
+        plan_of(net, "embed=bf16; head=fp32")
+
+
+def test_a_rule_on_one_alias_of_a_tied_parameter_makes_a_group_unit() -> None:
+    """One object, one dtype: the explicit rule on one alias wins over the default on the other.
+
+    Net [unit] {fp32}
+    ├── embed ─┐ group unit embed+head {bf16}   <- embed=bf16   fully_shard([embed, head])
+    ├── head  ─┘
+    └── layers.* [wrap] {fp32}
+    order: layers.0, layers.1, embed+head, <root>
+    """
+    net = Net()
+    net.head.weight = net.embed.weight
+    plan = plan_of(net, "embed=bf16", wrap=["layers.*"])
+    (group,) = [u for u in plan.units if u.kind == "group"]
+    assert (group.group, group.gather, group.params) == (("embed", "head"), BF16, ("embed.weight",))
+    assert plan.unit_fqns == ("layers.0", "layers.1", "embed", "")
+    assert plan.param("head.weight").gather == BF16 and plan.param("head.weight").unit == "embed"
+    assert "stays alive from its first use to its last" in group.reason
+    assert "embed+head" in plan.explain()
+    same = plan_of(net, "embed=bf16; head=bf16", wrap=["layers.*"])  # agreeing rules on both aliases: the same plan
+    assert same.units == plan.units
 
 
 def test_tied_parameter_is_homed_at_the_common_ancestor() -> None:
@@ -259,13 +281,6 @@ def test_gather_override_on_the_roots_own_parameters_is_an_error() -> None:
     net.scale = nn.Parameter(torch.ones(2))
     with pytest.raises(PrecisionError, match=r"homed at the root.*scale.*default_gather=fp32"):
         plan_of(net, "param:scale=bf16")
-
-
-def test_tied_weights_with_a_consistent_override_land_at_the_root_and_error() -> None:
-    net = Net()
-    net.head.weight = net.embed.weight
-    with pytest.raises(PrecisionError, match="homed at the root"):
-        plan_of(net, "embed=bf16; head=bf16")
 
 
 def test_shared_module_under_two_units_becomes_its_own_unit_first() -> None:

@@ -13,7 +13,9 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
-from fx_precision.archs import register_arch
+from torch import nn
+
+from fx_precision.archs import input_embedding_fqns, register_arch
 from fx_precision.spec import ModuleSel, PrecisionSpec, Rule
 
 if TYPE_CHECKING:
@@ -50,8 +52,9 @@ def is_gated_delta_net(config: Any) -> bool:
 
 
 @register_arch
-def embedding_at_compute_dtype(config: Any, policy: PrecisionPolicy) -> PrecisionSpec:
+def embedding_at_compute_dtype(config: Any, policy: PrecisionPolicy, model: nn.Module | None = None) -> PrecisionSpec:
+    """The input embedding (by role when the model is known; ``*embed_tokens`` from a config alone)."""
     if not is_gated_delta_net(config) or policy.compute is None or policy.compute == policy.gather:
         return PrecisionSpec()
-    rule = Rule(ModuleSel(fqn="*embed_tokens"), gather=policy.compute, source=None)
-    return PrecisionSpec((rule,))
+    fqns = input_embedding_fqns(model) if model is not None else ["*embed_tokens"]
+    return PrecisionSpec(tuple(Rule(ModuleSel(fqn=fqn), gather=policy.compute) for fqn in fqns))

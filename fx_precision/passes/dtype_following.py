@@ -29,8 +29,8 @@ from torch import fx
 from fx_precision.dtypes import dtype_name, parse_dtype
 from fx_precision.passes.annotate import GraphAnnotation
 from fx_precision.passes.cast_literals import LITERAL_DTYPE, names_literal_dtype
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import is_view, module_path, node_dtype, source_line
+from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.graph_nodes import is_custom_op, is_view, module_path, node_dtype, source_line
 
 
 def _cast_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:
@@ -115,6 +115,7 @@ def retarget_dtype_following(
                 f"dtype-following {'factory' if factory else 'cast'} retargeted {dtype_name(old)} -> {dtype_name(new)} "
                 f"(traced as {code.strip()!r})",
                 module_path(node),
+                kind=CastKind.RETARGET,
             )
         )
     if changed:
@@ -126,16 +127,10 @@ _STAYS = ("weight", "intentional", "source")  # kinds whose dtype the fix does n
 
 
 def _promotes_mixed_dtypes(user: fx.Node) -> bool:
-    """False for ops that need their float inputs at one dtype: custom ops (torch.ops outside aten /
-    prims, unknown to autocast and to type promotion) and in-place methods (``index_add_``)."""
+    """False for ops that need their float inputs at one dtype: custom ops and in-place methods (``index_add_``)."""
     if user.op == "call_method":
         return not str(user.target).endswith("_")
-    target = user.target
-    if isinstance(target, torch._ops.OpOverload):
-        return target.namespace in ("aten", "prims")
-    if isinstance(target, torch._ops.OpOverloadPacket):
-        return target._qualified_op_name.split("::")[0] in ("aten", "prims")
-    return True
+    return not is_custom_op(user)
 
 
 def _meets_unnarrowed_input(node: fx.Node, old: torch.dtype, before: GraphAnnotation) -> bool:

@@ -14,10 +14,10 @@ multiply promotes it with the fp32 weight: a *masked source*. So is transformers
 Each round casts the sources it found, re-propagates dtypes (retargeting the dtype-following
 casts the narrowing invalidated) and analyses again. The converse happens too: Dynamo traces
 RoPE's ``cos.to(dtype=x.dtype)`` as ``.to(fp32)`` while the embedding leaks, so ``k * cos`` looks
-like a promotion source in round 0; once the retarget makes ``cos`` narrow, ``k * cos`` is narrow
-by itself. Such a source is an *artefact* of the leak: at the fixed point its finding is dropped,
-its (now no-op) cast removed, and the findings it seemed to mask are attributed to the real
-sources of its round. A source that surfaces in round k records
+like a promotion source in round 0; once the retarget makes ``cos`` narrow, the cast that fixed
+``k * cos`` is a no-op. A source whose every fixing cast ended a no-op is an *artefact* of the
+leak: at the fixed point its finding is dropped, its casts removed, and the findings it seemed to
+mask are attributed to the real sources of its round. A source that surfaces in round k records
 ``round=k`` and ``masked_by``: the earlier-round sources its value came from. Every round casts
 at least one node and a cast source is contained afterwards, so the loop ends; ``MAX_ROUNDS``
 bounds it anyway. ``lint`` runs this on a copy of the graph; the backend on the graph it compiles.
@@ -34,8 +34,10 @@ from torch import fx
 from fx_precision.errors import PrecisionError
 from fx_precision.passes.analysis import GraphAnalysis, settle_rewrite
 from fx_precision.passes.annotate import NodeInfo
+from fx_precision.passes.covered_narrowing import narrow_covered_stream
 from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.repropagate import repropagate
 from fx_precision.passes.source_casts import cast_sources
 
 MAX_ROUNDS = 32
@@ -73,11 +75,15 @@ def fix_to_fixed_point(
     compute: torch.dtype | None,
     device_type: str | None,
     max_rounds: int = MAX_ROUNDS,
+    narrow_covered: bool = True,
 ) -> FixedPoint:
     """Cast ``first``'s sources in ``gm``, re-analyse, repeat until no new source appears.
 
     ``first`` must be an analysis of ``gm`` itself (its nodes are the ones cast); ``reanalyse``
     analyses ``gm`` again, without gather emulation. ``compute=None``: nothing to cast.
+    ``narrow_covered``: last, narrow at their producers the wide module-crossing tensors that only
+    autocast-covered ops use (``covered_narrowing``: the same numbers); lint, which keeps no graph,
+    skips it.
     """
     result = FixedPoint(first, first, list(first.findings), [*first.gather_casts, *first.retargeted])
     if compute is None:
@@ -110,17 +116,28 @@ def fix_to_fixed_point(
             masked_by = tuple(sorted(masking & traced.origin)) if traced is not None else ()
             result.findings.append(replace(finding, round=result.rounds, masked_by=masked_by))
     _drop_artefacts(gm, result, compute)
+    if narrow_covered:
+        narrowed = narrow_covered_stream(result.final.annotation, compute)
+        if narrowed:
+            repropagate(gm, compute, device_type)  # consumers cast to compute anyway: nothing follows these dtypes
+            result.casts += narrowed
+            result.final = reanalyse()
     return result
 
 
 def _drop_artefacts(gm: fx.GraphModule, result: FixedPoint, compute: torch.dtype) -> None:
     """Remove the sources that upstream fixes made narrow by themselves (see the module docstring)."""
     final = result.final.annotation
+    fixing: dict[str, list[InsertedCast]] = {}
+    for cast in result.casts:
+        if cast.kind in (CastKind.SOURCE_OUTPUT, CastKind.SOURCE_OPERAND) and cast.fixes is not None:
+            fixing.setdefault(cast.fixes, []).append(cast)
     artefacts: dict[str, int] = {}
     for finding in result.sources:
-        info = _node_info(result.final, finding.node)
-        if info is not None and info.dtype is not None and info.dtype.itemsize <= compute.itemsize:
-            artefacts[finding.node] = finding.round
+        casts = fixing.get(finding.node, [])
+        subjects = [_node_info(result.final, c.of) for c in casts]
+        if casts and all(s is not None and s.dtype is not None and s.dtype.itemsize <= compute.itemsize for s in subjects):
+            artefacts[finding.node] = finding.round  # every cast that fixed it ended a no-op
     if not artefacts:
         return
     real_by_round: dict[int, set[str]] = {}
@@ -139,12 +156,12 @@ def _drop_artefacts(gm: fx.GraphModule, result: FixedPoint, compute: torch.dtype
         kept.append(finding)
     result.findings = kept
     nodes = {n.name: n for n in gm.graph.nodes}
-    for cast in [c for c in result.casts if c.of in artefacts and c.node in nodes]:
+    for cast in [c for c in result.casts if c.fixes in artefacts and c.node in nodes]:
         node = nodes[cast.node]
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
         final.info.pop(node, None)
-    result.casts = [c for c in result.casts if c.of not in artefacts]
+    result.casts = [c for c in result.casts if c.fixes not in artefacts]
     gm.recompile()
 
 

@@ -11,6 +11,7 @@ at a dtype that is neither its gather nor its master dtype is a plan mismatch, n
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +20,16 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.passes.annotate import GraphAnnotation, NodeInfo
 from fx_precision.passes.graph_nodes import redirect_through_cast
 from fx_precision.passes.units import UnitIndex
+
+
+class CastKind(str, enum.Enum):
+    """Why the pass cast something (a ``str`` enum: JSON and old comparisons see the value)."""
+
+    GATHER = "gather-emulation"  # a parameter to its unit's gather dtype, at its use
+    SOURCE_OUTPUT = "source-output"  # a source's output to the compute dtype
+    SOURCE_OPERAND = "source-operand"  # a promotion's module-crossing operand, for that use
+    RETARGET = "dtype-following"  # a traced cast / factory dtype that followed a narrowed value
+    COVERED = "covered-narrowing"  # a wide tensor only autocast-covered ops use, at its producer
 
 
 @dataclass(frozen=True)
@@ -31,6 +42,8 @@ class InsertedCast:
     to: str
     reason: str
     module: str
+    fixes: str | None = None  # the source finding's node a source cast fixes
+    kind: CastKind = CastKind.GATHER
 
 
 def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[InsertedCast], list[tuple[NodeInfo, torch.dtype]]]:

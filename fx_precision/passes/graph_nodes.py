@@ -134,3 +134,23 @@ def redirect_through_cast(node: fx.Node, dtype: torch.dtype, *, before: fx.Node 
     cast.meta["stack_trace"] = node.meta.get("stack_trace")
     node.replace_all_uses_with(cast, delete_user_cb=lambda user: user is not cast)
     return cast
+
+
+def cast_for_one_use(node: fx.Node, user: fx.Node, dtype: torch.dtype) -> fx.Node:
+    """Insert ``node.to(dtype)`` right after ``node`` and route only ``user``'s use through it."""
+    with node.graph.inserting_after(node):
+        cast = node.graph.call_method("to", (node, dtype))
+    cast.meta["nn_module_stack"] = dict(node.meta.get("nn_module_stack") or {})
+    cast.meta["stack_trace"] = node.meta.get("stack_trace")
+    user.replace_input_with(node, cast)
+    return cast
+
+
+def is_custom_op(node: fx.Node) -> bool:
+    """A call of a ``torch.ops`` operator outside aten / prims: unknown to autocast and to type promotion."""
+    target = node.target
+    if isinstance(target, torch._ops.OpOverload):
+        return target.namespace not in ("aten", "prims")
+    if isinstance(target, torch._ops.OpOverloadPacket):
+        return target._qualified_op_name.split("::")[0] not in ("aten", "prims")
+    return False

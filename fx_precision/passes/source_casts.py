@@ -6,7 +6,10 @@ cast into the producing kernel and everything downstream (type_as, residual adds
                                                     └── type_as, +, ... bf16
 
 A source whose value is a tuple (an op with several outputs) is cast at the ``getitem`` that
-takes each wide float element out of it.
+takes each wide float element out of it. A promotion whose wide operand is not a parameter but a
+value another module produced (GPT-2's ``wte(ids) + wpe(positions)``: ``wpe``'s output crosses
+into the model) is fixed by casting that operand for this use: the crossing tensor is the one that
+must be narrow, and the sum is then computed as a hand fix computes it, from two bf16 operands.
 """
 
 from __future__ import annotations
@@ -17,10 +20,10 @@ import torch
 from torch import fx
 
 from fx_precision.dtypes import dtype_name, is_analysed_float
-from fx_precision.passes.annotate import GraphAnnotation
+from fx_precision.passes.annotate import PROMOTION, GraphAnnotation, NodeInfo
 from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import node_value, redirect_through_cast
+from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.graph_nodes import cast_for_one_use, is_cast, is_view, node_dtype, node_value, redirect_through_cast
 
 
 def _cast_points(node: fx.Node, compute: torch.dtype) -> list[fx.Node]:
@@ -37,10 +40,48 @@ def _cast_points(node: fx.Node, compute: torch.dtype) -> list[fx.Node]:
     return points
 
 
+def _crossing_operand(ann: GraphAnnotation, info: NodeInfo) -> tuple[fx.Node, fx.Node] | None:
+    """(operand, its user) for a promotion whose wide weight-derived operand another module produced:
+    walks back through same-module views and dtype-keeping casts (``x.to(device)``)."""
+    operand, user = info.wide_parent, info.node
+    if info.source_kind != PROMOTION or operand is None:
+        return None
+    while (
+        (is_view(operand) or is_cast(operand))
+        and ann.info[operand].module == info.module
+        and operand.args
+        and isinstance(operand.args[0], fx.Node)
+        and node_dtype(operand.args[0]) == node_dtype(operand)
+    ):
+        user, operand = operand, operand.args[0]
+    if operand.op in ("placeholder", "get_attr") or ann.info[operand].module == info.module:
+        return None
+    return operand, user
+
+
 def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dtype) -> list[InsertedCast]:
     casts = []
     for finding in sources:
         info = ann.by_name(finding.node)
+        crossing = _crossing_operand(ann, info)
+        if crossing is not None:
+            operand, user = crossing
+            cast = cast_for_one_use(operand, user, compute)
+            where = ann.info[operand].module or "<root>"
+            reason = f"{finding.code} {finding.kind} source: its operand {operand.name} crosses from {where}"
+            casts.append(
+                InsertedCast(
+                    cast.name,
+                    operand.name,
+                    dtype_name(ann.info[operand].dtype),
+                    dtype_name(compute),
+                    reason,
+                    where,
+                    info.name,
+                    CastKind.SOURCE_OPERAND,
+                )
+            )
+            continue
         for point in _cast_points(info.node, compute):
             cast = redirect_through_cast(point, compute)
             casts.append(
@@ -51,6 +92,8 @@ def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dt
                     dtype_name(compute),
                     f"{finding.code} {finding.kind} source: {finding.message.split(';')[0]}",
                     info.module,
+                    info.name,
+                    CastKind.SOURCE_OUTPUT,
                 )
             )
     if casts:
