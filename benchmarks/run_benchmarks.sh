@@ -7,5 +7,7 @@ device="${DEVICE:-cpu}"
 mkdir -p benchmarks/results
 if [ "$device" = cpu ]; then
   fx-precision bench --quick --json benchmarks/results/cpu-quick-qwen3_5-tiny.json
+  fx-precision sweep --json benchmarks/results/sweep-cpu.json
+  python benchmarks/plan_scaling.py --json benchmarks/results/plan-scaling-cpu.json
 fi
 fx-precision bench --device "$device" --json "benchmarks/results/${device}-qwen3_5-4b-slice.json"

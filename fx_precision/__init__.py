@@ -6,39 +6,103 @@ compute  (what ops run at)                torch.autocast dtype (+ casts the back
 
 PrecisionSpec ─ compile_precision ─▶ PrecisionPlan ─ apply_fsdp2 ─▶ FSDP2 model ─ census
                                           └─ lint / torch.compile(backend=precision_backend)
+
+The package is lazy (PEP 562): ``import fx_precision`` and ``import fx_precision.spec`` load
+neither Dynamo nor FSDP2; a name is imported on first use. ``torch.compile(backend="fx_precision")``
+finds the backend through the ``torch_dynamo_backends`` entry point.
+
+Layout: the core (spec, plan, selection, unit_solver, lowering, policy, archs, fsdp, census,
+lint, backend, passes) never imports ``fx_precision.tools`` (model zoos, bench, kernel census,
+rank runner, sweep, CLI).
 """
 
-from fx_precision.backend import PrecisionBackend, make_precision_backend, precision_backend
-from fx_precision.census import Census, CensusRecorder, census
-from fx_precision.errors import PrecisionError
-from fx_precision.fsdp import apply_fsdp2
-from fx_precision.lint import LintReport, lint
-from fx_precision.passes.findings import Finding
-from fx_precision.plan import PrecisionPlan, UnitPlan, compile_precision
-from fx_precision.policy import PrecisionPolicy, resolve_policy
-from fx_precision.spec import DEFAULT, ModuleSel, ParamSel, PrecisionSpec, Rule, parse_precision_rules
+from __future__ import annotations
 
-__all__ = [
-    "DEFAULT",
-    "Census",
-    "CensusRecorder",
-    "Finding",
-    "LintReport",
-    "ModuleSel",
-    "ParamSel",
-    "PrecisionBackend",
-    "PrecisionError",
-    "PrecisionPlan",
-    "PrecisionPolicy",
-    "PrecisionSpec",
-    "Rule",
-    "UnitPlan",
-    "apply_fsdp2",
-    "census",
-    "compile_precision",
-    "lint",
-    "make_precision_backend",
-    "parse_precision_rules",
-    "precision_backend",
-    "resolve_policy",
-]
+import importlib
+import importlib.abc
+import importlib.util
+import sys
+import types
+import warnings
+from typing import Any
+
+_EXPORTS: dict[str, str] = {
+    "DEFAULT": "fx_precision.spec",
+    "ModuleSel": "fx_precision.spec",
+    "ParamSel": "fx_precision.spec",
+    "PrecisionSpec": "fx_precision.spec",
+    "Rule": "fx_precision.spec",
+    "parse_precision_rules": "fx_precision.spec",
+    "PrecisionError": "fx_precision.errors",
+    "PrecisionPlan": "fx_precision.plan",
+    "UnitPlan": "fx_precision.plan",
+    "compile_precision": "fx_precision.lowering",
+    "PrecisionPolicy": "fx_precision.policy",
+    "resolve_policy": "fx_precision.policy",
+    "apply_fsdp2": "fx_precision.fsdp",
+    "Census": "fx_precision.census",
+    "CensusRecorder": "fx_precision.census",
+    "census": "fx_precision.census",
+    "LintReport": "fx_precision.lint",
+    "lint": "fx_precision.lint",
+    "Finding": "fx_precision.passes.findings",
+    "PrecisionBackend": "fx_precision.backend",
+    "make_precision_backend": "fx_precision.backend",
+    "precision_backend": "fx_precision.backend",
+}
+__all__ = sorted(_EXPORTS)
+
+# tool modules that moved to fx_precision.tools: the old paths work for one release, with a warning
+_MOVED = ("zoo", "toy_decoder", "arch_zoo", "bench", "kernel_census", "census_driver", "distributed", "sweep", "cli")
+
+
+class _Package(types.ModuleType):
+    """``census`` and ``lint`` are functions and submodules alike. Importing a
+    submodule binds it on its package; here the function keeps the name (the module stays in
+    ``sys.modules``, and ``from fx_precision.lint import LintReport`` works as ever)."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and name in _EXPORTS and _EXPORTS[name] == f"{__name__}.{name}":
+            return
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'fx_precision' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_EXPORTS})
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """``import fx_precision.zoo`` -> ``fx_precision.tools.zoo`` (the same module object), warning once."""
+
+    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
+        prefix, _, leaf = fullname.rpartition(".")
+        if prefix == __name__ and leaf in _MOVED:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec: Any) -> Any:
+        leaf = spec.name.rpartition(".")[2]
+        warnings.warn(
+            f"fx_precision.{leaf} moved to fx_precision.tools.{leaf}; the old path goes away in the next release",
+            DeprecationWarning,
+            stacklevel=3,
+        )
+        return importlib.import_module(f"{__name__}.tools.{leaf}")
+
+    def exec_module(self, module: Any) -> None:
+        """Nothing to run: ``create_module`` returned the already executed ``fx_precision.tools`` module."""
+
+
+if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
+    sys.meta_path.insert(0, _MovedModuleFinder())  # before editable-install finders that may still see an old file

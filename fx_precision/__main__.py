@@ -1,5 +1,5 @@
 import sys
 
-from fx_precision.cli import main
+from fx_precision.tools.cli import main
 
 sys.exit(main())

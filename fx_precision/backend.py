@@ -24,15 +24,18 @@ from typing import Any
 import torch
 from torch import fx
 
+from fx_precision.autocast import ambient_compute
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
+from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
-from fx_precision.passes.findings import Finding, severity_rank
+from fx_precision.passes.findings import Finding
 from fx_precision.passes.fixed_point import fix_to_fixed_point
-from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.kinds import CastKind, severity_rank
 from fx_precision.passes.repropagate import graph_device_type
 from fx_precision.passes.units import UnitIndex
-from fx_precision.plan import PrecisionPlan
+from fx_precision.plan import PrecisionPlan, unit_label
 from fx_precision.policy import PrecisionPolicy
 
 log = logging.getLogger("fx_precision.backend")
@@ -87,8 +90,10 @@ class GraphReport:
             f"stream {self.stream_before} -> {self.stream_after}; "
             f"pass {self.pass_seconds * 1e3:.1f} ms, inner compile {self.inner_seconds:.2f} s" + (f"; {self.note}" if self.note else "")
         ]
-        lines.extend(f"  + {c.node}: {c.of} {c.frm} -> {c.to} in {c.module or '<root>'} ({c.reason})" for c in self.casts)
-        lines.extend(f"  ! {f.code} {f.kind} [{f.severity}] at {f.module or '<root>'}: {f.message}" for f in self.after)
+        lines.extend(
+            f"  + {c.node}: {c.of} {dtype_name(c.frm)} -> {dtype_name(c.to)} in {unit_label(c.module)} ({c.reason})" for c in self.casts
+        )
+        lines.extend(f"  ! {f.code} {f.kind} [{f.severity}] at {module_label(f.module)}: {f.message}" for f in self.after)
         return "\n".join(lines)
 
     def to_dict(self) -> dict[str, Any]:
@@ -98,7 +103,7 @@ class GraphReport:
             "compute": dtype_name(self.compute) if self.compute else None,
             "before": [f.to_dict() for f in self.before],
             "after": [f.to_dict() for f in self.after],
-            "casts": [c.__dict__ for c in self.casts],
+            "casts": [c.to_dict() for c in self.casts],
             "pass_seconds": self.pass_seconds,
             "inner_seconds": self.inner_seconds,
             "stream_before": self.stream_before,
@@ -140,7 +145,7 @@ class PrecisionBackend:
     def _compute(self, device_type: str) -> torch.dtype | None:
         if self.policy is not None:
             return self.policy.compute
-        return torch.get_autocast_dtype(device_type) if torch.is_autocast_enabled(device_type) else None
+        return ambient_compute([device_type])[0]
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         start = time.perf_counter()

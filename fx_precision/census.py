@@ -24,6 +24,7 @@ from tabulate import tabulate
 from torch import nn
 
 from fx_precision.dtypes import dtype_name, is_analysed_float
+from fx_precision.module_graph import module_label
 
 
 @dataclass(frozen=True)
@@ -118,7 +119,7 @@ class Census:
     def render(self, top: int = 15) -> str:
         rows = sorted(self.module_rows(), key=lambda r: (-(r["in"]["fp32"] + r["out"]["fp32"]), r["module"]))[:top]
         table = tabulate(
-            [[r["module"] or "<root>", r["cls"], _fmt(r["in"]), _fmt(r["out"]), _fmt(r["grad"]) or "-"] for r in rows],
+            [[module_label(r["module"]), r["cls"], _fmt(r["in"]), _fmt(r["out"]), _fmt(r["grad"]) or "-"] for r in rows],
             headers=["module (top by fp32 IO)", "class", "inputs", "outputs", "grads"],
         )
         totals = self.totals()

@@ -10,14 +10,13 @@ Everything is validated before the first ``fully_shard``; on a bad plan the mode
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
-from fx_precision.plan import PrecisionPlan, unit_label
+from fx_precision.plan import PrecisionPlan, check_plan_matches, unit_label
 
 
 def _fsdp() -> Any:
@@ -41,31 +40,12 @@ def layer_wrap_globs(model: nn.Module) -> list[str]:
     return [f"{best[1]}.*"] if best else []
 
 
-@dataclass(frozen=True)
-class AppliedUnit:
-    fqn: str
-    param_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    cast_forward_inputs: bool
-
-
-def _check_plan_matches(model: nn.Module, plan: PrecisionPlan) -> None:
-    names = {fqn for fqn, p in model.named_parameters() if p.is_floating_point()}
-    planned = set(plan.params)
-    if names != planned:
-        missing = sorted(names - planned)[:3]
-        extra = sorted(planned - names)[:3]
-        raise PrecisionError(
-            f"the plan does not match this model (not planned: {missing}, planned but absent: {extra}); "
-            "compile the plan for this model with compile_precision"
-        )
-    modules = dict(model.named_modules())
-    for unit in plan.units:
-        for fqn in unit.group or (unit.fqn,):
-            if fqn not in modules:
-                raise PrecisionError(f"plan unit {unit.label!r}: {unit_label(fqn)!r} is not a module of this model; recompile the plan")
+def _check_applicable(model: nn.Module, plan: PrecisionPlan) -> None:
+    """The plan belongs to the model (``check_plan_matches``), and the model is plain: no module
+    already sharded, no DTensor or meta parameter."""
+    check_plan_matches(plan, model)
     fsdp = _fsdp()
-    for fqn, module in modules.items():
+    for fqn, module in model.named_modules():
         if isinstance(module, fsdp.FSDPModule):
             raise PrecisionError(f"module {unit_label(fqn)!r} is already wrapped by fully_shard; apply_fsdp2 wraps a plain model once")
     for fqn, p in model.named_parameters():
@@ -85,15 +65,15 @@ def apply_fsdp2(
     cast_forward_inputs: bool = True,
     reshard_after_forward: bool = True,
     offload_policy: Any = None,
-) -> list[AppliedUnit]:
+) -> None:
     """Convert each parameter to its master dtype, then ``fully_shard`` every unit in plan order.
 
     ``cast_forward_inputs``: pass ``policy.cast_forward_inputs`` from a resolved
-    ``PrecisionPolicy`` (False exactly when an autocast compute dtype is set). Returns what was
-    applied, unit by unit, in order.
+    ``PrecisionPolicy`` (False exactly when an autocast compute dtype is set). ``fsdp_units(model)``
+    reads back what was applied.
     """
     fsdp = _fsdp()
-    _check_plan_matches(model, plan)
+    _check_applicable(model, plan)
     if not reduce_dtype.is_floating_point:
         raise PrecisionError(f"reduce_dtype={reduce_dtype} is not a floating dtype; use fp32 or bf16")
     modules = dict(model.named_modules())
@@ -104,7 +84,6 @@ def apply_fsdp2(
             param = params[fqn]
             if param.dtype != planned.master:
                 param.data = param.data.to(planned.master)
-    applied = []
     kwargs: dict[str, Any] = {"mesh": mesh, "reshard_after_forward": reshard_after_forward}
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
@@ -112,8 +91,6 @@ def apply_fsdp2(
         mp = fsdp.MixedPrecisionPolicy(param_dtype=unit.gather, reduce_dtype=reduce_dtype, cast_forward_inputs=cast_forward_inputs)
         target = [modules[fqn] for fqn in unit.group] if unit.group else modules[unit.fqn]  # a group: one fully_shard, several modules
         fsdp.fully_shard(target, mp_policy=mp, **kwargs)
-        applied.append(AppliedUnit(unit.label, unit.gather, reduce_dtype, cast_forward_inputs))
-    return applied
 
 
 def fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -22,16 +21,19 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from fx_precision.autocast import ambient_compute, autocast_context
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import fsdp_units
+from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
 from fx_precision.passes.capture import capture_graphs
-from fx_precision.passes.findings import Finding, severity_rank
+from fx_precision.passes.findings import Finding
 from fx_precision.passes.fixed_point import fix_to_fixed_point
+from fx_precision.passes.kinds import Severity, severity_rank
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan
-from fx_precision.policy import PrecisionPolicy, autocast_context
+from fx_precision.policy import PrecisionPolicy
 
 LINT_JSON_VERSION = 1
 
@@ -47,8 +49,8 @@ class LintReport:
         return [f for g in self.graphs for f in g.findings]
 
     @property
-    def worst_severity(self) -> str | None:
-        return max((f.severity for f in self.findings), key=severity_rank, default=None)
+    def worst_severity(self) -> Severity | None:
+        return Severity.worst(f.severity for f in self.findings)
 
     def reaches(self, severity: str) -> bool:
         return severity_rank(self.worst_severity) >= severity_rank(severity)
@@ -86,8 +88,8 @@ class LintReport:
                 f.severity,
                 f.code,
                 f.kind,
-                f.module or "<root>",
-                "-" if f.unit is None else (f.unit or "<root>"),
+                module_label(f.module),
+                "-" if f.unit is None else (module_label(f.unit)),
                 f.node,
                 f.propagations,
                 f.stream_tensors,
@@ -112,13 +114,13 @@ class LintReport:
             "version": LINT_JSON_VERSION,
             "compute": dtype_name(self.compute) if self.compute else None,
             "device_type": self.device_type,
-            "worst_severity": self.worst_severity,
+            "worst_severity": str(self.worst_severity) if self.worst_severity else None,
             "graphs": [
                 {
                     "index": g.index,
                     "rounds": g.rounds,
                     "census": g.census.to_dict(),
-                    "gather_casts": [c.__dict__ for c in g.gather_casts],
+                    "gather_casts": [c.to_dict() for c in g.gather_casts],
                     "findings": [f.to_dict() for f in g.findings],
                 }
                 for g in self.graphs
@@ -149,7 +151,7 @@ class LintReport:
             for module in modules:
                 dtypes = outputs.get(module, set())
                 fill = colour.get(next(iter(dtypes)) if len(dtypes) == 1 else "mixed", "#eeeeee") if dtypes else "#eeeeee"
-                label = f"{module or '<root>'}\\n{'/'.join(sorted(dtypes)) or '-'}"
+                label = f"{module_label(module)}\\n{'/'.join(sorted(dtypes)) or '-'}"
                 extra = ""
                 if module in sources:
                     label += f"\\nSOURCE {sources[module].code} {sources[module].kind}"
@@ -165,14 +167,6 @@ def _device_type_of(model: nn.Module) -> str:
     for t in [*model.parameters(), *model.buffers()]:
         return t.device.type
     return "cpu"
-
-
-def ambient_compute(device_types: Sequence[str]) -> tuple[torch.dtype | None, str | None]:
-    """The dtype of the first enabled ambient autocast among ``device_types``."""
-    for dt in device_types:
-        if torch.is_autocast_enabled(dt):
-            return torch.get_autocast_dtype(dt), dt
-    return None, None
 
 
 def _units_for(plan: PrecisionPlan | None, wrapped: list[tuple[str, Any]]) -> UnitIndex:

@@ -23,6 +23,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
+ROOT_NAME = "<root>"
+
+
+def module_label(fqn: str) -> str:
+    """How reports name a module: its FQN, or ``<root>`` for the root (FQN ``""``)."""
+    return fqn if fqn else ROOT_NAME
+
 
 @dataclass
 class ModuleGraph:
@@ -36,6 +43,7 @@ class ModuleGraph:
     dom_children: dict[int, list[int]] = field(default_factory=dict)
     depth: dict[int, int] = field(default_factory=dict)
     post_order: list[int] = field(default_factory=list)
+    by_path: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def of(cls, root: nn.Module) -> ModuleGraph:
@@ -47,6 +55,7 @@ class ModuleGraph:
                 g.first_fqn[key] = fqn
                 g.all_paths[key] = []
             g.all_paths[key].append(fqn)
+            g.by_path[fqn] = key
         for key, mod in g.modules.items():
             kids: list[int] = []
             for child in mod.children():
@@ -137,7 +146,7 @@ def collect_params(graph: ModuleGraph) -> dict[int, ParamInfo]:
     infos: dict[int, ParamInfo] = {}
     for fqn, param in graph.root.named_parameters(remove_duplicate=False):
         owner_path, _, _ = fqn.rpartition(".")
-        holder = id(graph.module_at(owner_path))
+        holder = graph.by_path[owner_path]
         info = infos.get(id(param))
         if info is None:
             infos[id(param)] = ParamInfo(fqn, [fqn], param, [holder], holder)

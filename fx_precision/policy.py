@@ -23,9 +23,11 @@ import torch
 from torch import nn
 
 from fx_precision.archs import arch_rules
+from fx_precision.autocast import autocast_context
 from fx_precision.dtypes import dtype_name, parse_dtype
 from fx_precision.errors import PrecisionError
-from fx_precision.plan import PrecisionPlan, compile_precision
+from fx_precision.lowering import compile_precision
+from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import PrecisionSpec
 
 
@@ -64,15 +66,6 @@ class PrecisionPolicy:
     def forward_context(self, device_type: str | torch.device = "cpu") -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` at the compute dtype on ``device_type`` (cpu / cuda), or a no-op."""
         return autocast_context(self.compute, device_type)
-
-
-def autocast_context(compute: torch.dtype | None, device_type: str | torch.device = "cpu") -> contextlib.AbstractContextManager[Any]:
-    if compute is None:
-        return contextlib.nullcontext()
-    kind = device_type.type if isinstance(device_type, torch.device) else str(device_type).split(":")[0]
-    if kind == "meta":
-        raise PrecisionError("autocast has no meta device type; pass the device type whose op lists should apply (cpu or cuda)")
-    return torch.autocast(kind, dtype=compute)
 
 
 def _config_of(model_or_config: Any) -> Any:

@@ -10,11 +10,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-from fx_precision.distributed import cpu_mesh
 from fx_precision.fsdp import apply_fsdp2, fsdp_units, layer_wrap_globs
 from fx_precision.policy import resolve_policy
 from fx_precision.spec import parse_precision_rules
-from fx_precision.zoo import build_model, logits_of, token_batch
+from fx_precision.tools.distributed import cpu_mesh
+from fx_precision.tools.zoo import build_model, logits_of, token_batch
 
 BATCH, SEQ = 4, 16
 
@@ -92,15 +92,11 @@ def train_step(rank: int, world_size: int, model_name: str, rules: str, compute:
 
 def default_vs_plain_wrap(rank: int, world_size: int, model_name: str) -> dict[str, Any] | None:
     """Units and MixedPrecisionPolicy of (a) the default resolved policy, (b) a plain per-layer wrap."""
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from fx_precision.tools.census_driver import plain_layer_wrap
 
     ours, policy, _ = wrapped_model(model_name, "", None, world_size)
     plain = build_model(model_name)
-    mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    layers = [m for fqn, m in plain.named_modules() if fqn.count(".") == 2 and fqn.startswith("model.layers.")]
-    for layer in layers:
-        fully_shard(layer, mesh=cpu_mesh(world_size), mp_policy=mp)
-    fully_shard(plain, mesh=cpu_mesh(world_size), mp_policy=mp)
+    plain_layer_wrap(plain, cpu_mesh(world_size))
     if rank != 0:
         return None
     return {

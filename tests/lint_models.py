@@ -134,7 +134,7 @@ class TokEmbeddingsDecoder(nn.Module):
 
     def __init__(self) -> None:
         super().__init__()
-        from fx_precision.toy_decoder import ToyDecoder
+        from fx_precision.tools.toy_decoder import ToyDecoder
 
         toy = ToyDecoder()
         self.vocab_size = toy.vocab_size
@@ -148,3 +148,17 @@ class TokEmbeddingsDecoder(nn.Module):
         for layer in self.layers:
             h = layer(h)
         return self.output(self.norm(h))
+
+
+class AbsolutePositions(nn.Module):
+    """GPT-2's input: ``wte(ids) + wpe(positions)``, the position embedding in a module of its own."""
+
+    def __init__(self, vocab: int = 32, positions: int = 16, dim: int = 16) -> None:
+        super().__init__()
+        self.wte = nn.Embedding(vocab, dim)
+        self.wpe = nn.Embedding(positions, dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(ids.shape[-1], device=ids.device)
+        return self.head(self.wte(ids) + self.wpe(positions))

@@ -8,7 +8,7 @@ import sys
 
 import torch
 
-from fx_precision.kernel_census import parse_wrapper
+from fx_precision.tools.kernel_census import parse_wrapper
 
 SAMPLE = """
 cpp_fused_0 = async_compile.cpp_pybinding(['const int64_t*', 'const float*', 'float*', 'at::BFloat16*'], r'''

@@ -8,13 +8,12 @@ import sys
 
 import pytest
 
-pytest.importorskip("transformers", reason="the qwen3_5-tiny model needs transformers (the dev extra installs it)")
-
 
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.needs_transformers
 def test_plan_table_has_embedding_unit_at_bf16_and_layers_at_default() -> None:
     out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokens=bf16", "--wrap", "model.layers.*")
     assert out.returncode == 0, out.stderr
@@ -26,6 +25,7 @@ def test_plan_table_has_embedding_unit_at_bf16_and_layers_at_default() -> None:
     assert set(rows) == {"model.embed_tokens", *(f"model.layers.{i}" for i in range(4)), "<root>"}
 
 
+@pytest.mark.needs_transformers
 def test_plan_json_is_the_same_plan() -> None:
     out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokens=bf16", "--wrap", "model.layers.*", "--json")
     assert out.returncode == 0, out.stderr
@@ -43,6 +43,7 @@ def test_plan_takes_a_factory_path_and_explains_errors_without_a_traceback() -> 
     assert bad.returncode == 2 and "cannot import 'Nope'" in bad.stderr and "Traceback" not in bad.stderr
 
 
+@pytest.mark.needs_transformers
 def test_plan_with_a_misspelt_rule_exits_nonzero_and_suggests() -> None:
     out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokenz=bf16")
     assert out.returncode != 0

@@ -123,3 +123,24 @@ def test_a_literal_cast_and_a_following_cast_on_one_line_are_told_apart(literal:
     else:
         assert [r.reason.split(" (")[0] for r in report.retargeted] == ["dtype-following cast retargeted fp32 -> bf16"]
         assert report.after == [] and report.stream_after.get("fp32", 0) == 0
+
+
+def test_a_promotion_by_a_module_crossing_operand_casts_that_operand_like_a_hand_fix() -> None:
+    """``wte(ids) + wpe(positions)``: once wte is cast, the add promotes with wpe's fp32 output,
+    which crosses from module wpe; the pass casts that operand, as a hand fix casts wpe's output."""
+    torch.manual_seed(0)
+    model = lm.AbsolutePositions()
+    ids = torch.randint(0, 32, (2, 8))
+    fixed = copy.deepcopy(model)
+    for module in (fixed.wte, fixed.wpe):
+        module.register_forward_hook(lambda _m, _a, out: out.to(BF16))
+    with torch.autocast("cpu", dtype=BF16):
+        want = fixed(ids)
+        backend = fxp.make_precision_backend(inner="aot_eager")
+        got = torch.compile(model, backend=backend)(ids)
+    assert torch.equal(got, want)
+    (report,) = backend.reports
+    operand = [c for c in report.casts if c.kind == "source-operand"]
+    assert [(c.module, c.frm, c.to) for c in operand] == [("wpe", torch.float32, BF16)]
+    assert report.after == [] and report.stream_after.get("fp32", 0) == 0
+    assert [(f.module, f.round) for f in report.before if f.is_source] == [("wte", 0), ("", 1)]

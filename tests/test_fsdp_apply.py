@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from fx_precision import PrecisionError, compile_precision, parse_precision_rules
-from fx_precision.distributed import run_on_ranks
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
-from fx_precision.zoo import build_model
+from fx_precision.tools.distributed import run_on_ranks
+from fx_precision.tools.zoo import build_model
 from tests import fsdp_workers
 
 # Tolerances for 2-rank vs 1-rank (fp32 compute). Parameters gathered at fp32 differ only by the
@@ -46,10 +46,8 @@ def _check_master_and_grads_fp32(result: dict) -> None:
         assert param_dtype == torch.float32 and grad_dtype == torch.float32, (fqn, param_dtype, grad_dtype)
 
 
-@pytest.mark.parametrize("model_name", ["toy-decoder", "qwen3_5-tiny"])
+@pytest.mark.parametrize("model_name", ["toy-decoder", pytest.param("qwen3_5-tiny", marks=pytest.mark.needs_transformers)])
 def test_two_ranks_match_one_rank_and_plan(model_name: str, tmp_path: object) -> None:
-    if model_name.startswith("qwen"):
-        pytest.importorskip("transformers", reason="tiny Qwen3.5 needs transformers (the dev extra installs it)")
     rules = "*embed_tokens=bf16"
     (two,) = [r for r in run_on_ranks(fsdp_workers.train_step, 2, model_name, rules, None, str(tmp_path)) if r]
     (one,) = [r for r in run_on_ranks(fsdp_workers.train_step, 1, model_name, rules, None, None) if r]
@@ -70,10 +68,10 @@ def test_two_ranks_match_one_rank_and_plan(model_name: str, tmp_path: object) ->
         assert torch.equal(two["restored"][fqn], value), fqn
 
 
+@pytest.mark.needs_transformers
 @pytest.mark.parametrize("model_name", ["qwen3_5-tiny", "qwen3_5-tiny-tied"])
 def test_qwen3_5_bf16_autocast_resolved_policy_gathers_embedding_at_bf16(model_name: str, tmp_path: object) -> None:
     """Untied and tied (embedding = lm_head: one group unit, ``fully_shard([embed_tokens, lm_head])``)."""
-    pytest.importorskip("transformers", reason="tiny Qwen3.5 needs transformers (the dev extra installs it)")
     (result,) = [r for r in run_on_ranks(fsdp_workers.train_step, 2, model_name, "", "bf16", str(tmp_path)) if r]
     assert result["cast_forward_inputs"] is False
     _check_seen_matches_plan(result)
@@ -88,8 +86,8 @@ def test_qwen3_5_bf16_autocast_resolved_policy_gathers_embedding_at_bf16(model_n
     assert all(not mp.cast_forward_inputs for _, mp in result["units"])
 
 
+@pytest.mark.needs_transformers
 def test_default_policy_wraps_like_plain_per_layer_fsdp2() -> None:
-    pytest.importorskip("transformers", reason="tiny Qwen3.5 needs transformers (the dev extra installs it)")
     (result,) = [r for r in run_on_ranks(fsdp_workers.default_vs_plain_wrap, 2, "qwen3_5-tiny") if r]
     assert result["rules"] == 0 and result["cast_forward_inputs"] is True
     assert result["ours"] == result["plain"]
@@ -109,6 +107,48 @@ def test_bad_rules_raise_in_compile_precision(rules: str, tie: bool, message: st
         model.lm_head.weight = model.model.embed_tokens.weight
     with pytest.raises(PrecisionError, match=message):
         compile_precision(model, parse_precision_rules(rules), default_gather="fp32", wrap=layer_wrap_globs(model))
+
+
+def _snapshot(model: torch.nn.Module) -> tuple:
+    """Everything apply_fsdp2 could change: parameter objects, their data and dtypes, buffers, hooks, classes."""
+    params = [(n, id(p), type(p), p.dtype, p.detach().clone()) for n, p in model.named_parameters()]
+    buffers = [(n, b.dtype, b.clone()) for n, b in model.named_buffers()]
+    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks), type(m)) for m in model.modules()]
+    return params, buffers, hooks
+
+
+def _same(a: tuple, b: tuple) -> bool:
+    (pa, ba, ha), (pb, bb, hb) = a, b
+    return (
+        [x[:4] for x in pa] == [x[:4] for x in pb]
+        and all(torch.equal(x[4], y[4]) for x, y in zip(pa, pb, strict=True))
+        and [x[:2] for x in ba] == [x[:2] for x in bb]
+        and all(torch.equal(x[2], y[2]) for x, y in zip(ba, bb, strict=True))
+        and ha == hb
+    )
+
+
+@pytest.mark.parametrize("defect", ["duplicate unit", "no root unit", "gather off its unit"])
+def test_apply_rejects_an_inconsistent_plan_before_changing_anything(defect: str) -> None:
+    """apply_fsdp2 itself refuses: the plan compiles, is then broken, and the bf16 model (which the
+    fp32-master plan would convert) stays bit for bit as it was."""
+    from dataclasses import replace
+
+    model = build_model("toy-decoder").to(torch.bfloat16)
+    plan = compile_precision(
+        model, parse_precision_rules("*embed_tokens=bf16"), default_gather="fp32", default_master="fp32", wrap=layer_wrap_globs(model)
+    )
+    if defect == "duplicate unit":
+        broken = replace(plan, units=(plan.units[0], *plan.units))
+    elif defect == "no root unit":
+        broken = replace(plan, units=plan.units[:-1])
+    else:
+        embed = plan.params["model.embed_tokens.weight"]
+        broken = replace(plan, params={**plan.params, embed.fqn: replace(embed, gather=torch.float32)})
+    before = _snapshot(model)
+    with pytest.raises(PrecisionError, match=r"appears twice|exactly one root unit|gathers at fp32 but its unit"):
+        apply_fsdp2(model, broken, mesh=None)
+    assert _same(before, _snapshot(model))
 
 
 def test_apply_rejects_a_plan_for_another_model_without_touching_it() -> None:

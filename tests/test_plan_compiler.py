@@ -151,9 +151,10 @@ def test_wrap_unit_whose_subtree_is_all_one_dtype_takes_that_dtype() -> None:
 def test_last_match_wins_per_axis() -> None:
     """
     Net [unit] {fp32}
-    ├── embed [unit] {fp16}   <- *=bf16 (gather), embed=master:bf16, embed=gather:fp16
-    ├── head  {bf16}... and so on: every other parameter bf16
-    The root's own parameters: none, so the root gathers at default fp32 with no params.
+    ├── embed [unit] {fp16}      <- *=bf16 (gather), embed=master:bf16, embed=gather:fp16
+    ├── layers.* [unit] {bf16}   <- *=bf16
+    └── head  {fp32}             <- head=default: back to the run default, the root's fp32
+    The root holds no parameter of its own, so it gathers at the default fp32.
     """
     net = Net()
     plan = plan_of(net, "*=gather:bf16; embed=master:bf16; embed=gather:fp16; head=default")

@@ -10,15 +10,16 @@ from fx_precision.archs.gated_delta_net import is_gated_delta_net
 from fx_precision.policy import PrecisionPolicy, resolve_policy
 from fx_precision.spec import ModuleSel, Rule, parse_precision_rules
 
-transformers = pytest.importorskip("transformers", reason="arch resolution reads transformers configs (dev extra)")
-
 
 def tiny(cls_name: str, **kw: object) -> object:
+    import transformers
+
     return getattr(transformers, cls_name)(**kw)
 
 
+@pytest.mark.needs_transformers
 def test_qwen3_5_fp32_gather_bf16_compute_yields_exactly_the_embedding_rule() -> None:
-    from fx_precision.zoo import qwen3_5_config
+    from fx_precision.tools.zoo import qwen3_5_config
 
     policy = resolve_policy(qwen3_5_config("qwen3_5-tiny"), gather="fp32", compute="bf16")
     assert policy.spec.rules == (Rule(ModuleSel(fqn="*embed_tokens"), gather=torch.bfloat16),)
@@ -32,11 +33,13 @@ def test_qwen3_5_fp32_gather_bf16_compute_yields_exactly_the_embedding_rule() ->
         lambda: tiny("LlamaConfig", num_hidden_layers=2),
     ],
 )
+@pytest.mark.needs_transformers
 def test_non_gated_delta_net_architecture_gets_no_rule(config: object) -> None:
     policy = resolve_policy(config(), gather="fp32", compute="bf16")  # type: ignore[operator]
     assert len(policy.spec) == 0
 
 
+@pytest.mark.needs_transformers
 def test_gated_delta_net_recognised_by_model_type_or_layer_types() -> None:
     assert is_gated_delta_net(tiny("Qwen3NextConfig", num_hidden_layers=2))
     assert is_gated_delta_net(tiny("Qwen3_5MoeTextConfig", num_hidden_layers=2))
@@ -49,8 +52,9 @@ def test_gated_delta_net_recognised_by_model_type_or_layer_types() -> None:
     assert not is_gated_delta_net(None)
 
 
+@pytest.mark.needs_transformers
 def test_rule_is_self_activating() -> None:
-    from fx_precision.zoo import qwen3_5_config
+    from fx_precision.tools.zoo import qwen3_5_config
 
     cfg = qwen3_5_config("qwen3_5-tiny")
     assert len(resolve_policy(cfg, gather="fp32", compute=None).spec) == 0  # no autocast
@@ -58,13 +62,14 @@ def test_rule_is_self_activating() -> None:
     assert resolve_policy(cfg, gather="fp32", compute=None).cast_forward_inputs is True
 
 
+@pytest.mark.needs_transformers
 def test_user_rules_come_after_arch_rules_and_win() -> None:
-    from fx_precision.zoo import qwen3_5_config
+    from fx_precision.tools.zoo import qwen3_5_config
 
     user = parse_precision_rules("*embed_tokens=fp32")
     policy = resolve_policy(qwen3_5_config("qwen3_5-tiny"), gather="fp32", compute="bf16", spec=user)
     assert policy.spec.rules[-1] == user.rules[0]
-    model = transformers.Qwen3_5ForCausalLM(qwen3_5_config("qwen3_5-tiny"))
+    model = tiny("Qwen3_5ForCausalLM", config=qwen3_5_config("qwen3_5-tiny"))
     assert policy.plan(model).param("model.embed_tokens.weight").gather == torch.float32
 
 

@@ -13,10 +13,8 @@ import pytest
 import torch
 from torch import fx
 
-pytest.importorskip("transformers", reason="the sweep builds transformers architectures (dev extra)")
-
-from fx_precision.arch_zoo import ARCHS
-from fx_precision.sweep import run_sweep
+from fx_precision.tools.arch_zoo import ARCHS
+from fx_precision.tools.sweep import run_sweep
 
 PATTERNS = {
     "llama-norm",
@@ -70,6 +68,7 @@ def test_the_zoo_covers_every_pattern_tied_and_untied_dense_and_moe() -> None:
     assert any("moe" in a.patterns for a in ARCHS) and any("moe" not in a.patterns for a in ARCHS)
 
 
+@pytest.mark.needs_transformers
 def test_every_architecture_builds_traces_and_enforces_with_no_error_left(sweep: tuple) -> None:
     rows, _ = sweep
     assert [r["arch"] for r in rows] == [a.name for a in ARCHS]  # listed, never dropped
@@ -82,6 +81,7 @@ def test_every_architecture_builds_traces_and_enforces_with_no_error_left(sweep:
         assert r["census"]["bf16"] > 0, r["arch"]
 
 
+@pytest.mark.needs_transformers
 def test_masked_norms_surface_in_lint_on_llama_style_models(sweep: tuple) -> None:
     rows, _ = sweep
     for r in rows:
@@ -89,6 +89,7 @@ def test_masked_norms_surface_in_lint_on_llama_style_models(sweep: tuple) -> Non
             assert r["lint"]["masked"] >= 1 and r["lint"]["rounds"] >= 2, r["arch"]
 
 
+@pytest.mark.needs_transformers
 def test_fp32_stream_after_the_pass_is_no_more_than_a_hand_fix_leaves(sweep: tuple) -> None:
     rows, seen = sweep
     for r in rows:
@@ -104,6 +105,7 @@ def test_fp32_stream_after_the_pass_is_no_more_than_a_hand_fix_leaves(sweep: tup
         assert r["fp32_stream"] == {"as_traced": len(traced), "enforced": len(enforced), "hand_fix": len(by_hand)}, name
 
 
+@pytest.mark.needs_transformers
 def test_logits_agree_with_the_eager_hand_fix(sweep: tuple) -> None:
     rows, _ = sweep
     for r in rows:

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from fx_precision.archs import input_embedding_fqns, register_arch
+from fx_precision.archs.registry import input_embedding_fqns, register_arch
 from fx_precision.spec import ModuleSel, PrecisionSpec, Rule
 
 if TYPE_CHECKING:

@@ -22,7 +22,7 @@ from torch import fx
 
 from fx_precision.passes.annotate import GraphAnnotation, annotate, param_names
 from fx_precision.passes.dtype_following import narrowed_map, retarget_dtype_following
-from fx_precision.passes.findings import Finding, graph_findings, severity_rank
+from fx_precision.passes.findings import Finding, graph_findings
 from fx_precision.passes.gather_emulation import InsertedCast, emulate_gathers
 from fx_precision.passes.graph_census import GraphCensus, graph_census
 from fx_precision.passes.repropagate import repropagate
@@ -38,10 +38,6 @@ class GraphAnalysis:
     gather_casts: list[InsertedCast] = field(default_factory=list)
     retargeted: list[InsertedCast] = field(default_factory=list)
     rounds: int = 0  # rounds of source casts the fixed point needed (lint: on a copy of the graph)
-
-    @property
-    def worst_severity(self) -> str | None:
-        return max((f.severity for f in self.findings), key=severity_rank, default=None)
 
     @property
     def sources(self) -> list[Finding]:

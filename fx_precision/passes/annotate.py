@@ -9,9 +9,10 @@ Under bf16 compute, tiny Qwen3.5 with its embedding gathered at fp32 annotates a
     linear                model.layers.0...q_proj     bf16  compute   (autocast covers linear)
     add                   model.layers.0              fp32  propagation (residual)      origin {embedding}
 
-Kinds (of float tensor nodes):
+Kinds (``NodeKind``, of float tensor nodes):
 
-    weight        a parameter or buffer, or computed from them alone (w.float(), 1 + w)
+    weight        a parameter or buffer, or computed from them (and constants) alone (w.float(), 1 + w)
+    constant      a factory (arange, zeros, tensor), a lifted Python number, or computed from those alone
     input         a graph input that is not a parameter (wide: it arrived wide)
     compute       not wider than the compute dtype
     intentional   wide because the program asked: an explicit cast of a narrow value (x.float()),
@@ -34,8 +35,8 @@ import torch
 from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
+from fx_precision.module_graph import module_label
 from fx_precision.passes.graph_nodes import (
-    input_nodes,
     is_cast,
     module_path,
     node_dtype,
@@ -45,6 +46,7 @@ from fx_precision.passes.graph_nodes import (
     placeholder_attr,
     source_line,
 )
+from fx_precision.passes.kinds import NodeKind
 from fx_precision.passes.units import UnitIndex
 
 UNCOVERED = "uncovered-op"
@@ -56,7 +58,7 @@ class NodeInfo:
     node: fx.Node
     dtype: torch.dtype | None
     module: str
-    kind: str  # weight | input | compute | intentional | source | propagation | other
+    kind: NodeKind
     source_kind: str | None = None  # uncovered-op | weight-promotion (kind == "source")
     param: str | None = None  # FQN of the parameter / buffer behind a placeholder
     param_kind: str | None = None  # "parameter" | "buffer"
@@ -72,7 +74,7 @@ class NodeInfo:
 
     def describe(self) -> str:
         dtype = str(self.dtype).removeprefix("torch.") if self.dtype else "-"
-        return f"{self.module or '<root>'}: {op_name(self.node)} -> {dtype} [{self.node.name}]"
+        return f"{module_label(self.module)}: {op_name(self.node)} -> {dtype} [{self.node.name}]"
 
     @property
     def line(self) -> str | None:
@@ -148,71 +150,67 @@ def annotate(
 ) -> GraphAnnotation:
     """Classify every node (see the module docstring); ``compute=None`` means no autocast."""
     ann = GraphAnnotation(gm, compute)
-    weightish: set[fx.Node] = set()
     for node in gm.graph.nodes:
         dtype = node_dtype(node)
         module = module_path(node)
-        info = NodeInfo(node, dtype, module, "other")
+        info = NodeInfo(node, dtype, module, NodeKind.OTHER)
         ann.info[node] = info
         if node.op == "output":
             continue
         if node.op == "placeholder":
             if node in params:
                 info.param, info.param_kind = params[node]
-                info.kind = "weight"
+                info.kind = NodeKind.WEIGHT
                 info.unit = units.unit_of_param(info.param)
-                weightish.add(node)
             elif isinstance(node_value(node), torch.Tensor) and node_value(node).dim() == 0:
-                info.kind = "weight"  # a Python number Dynamo lifted (dynamic=True): a constant
+                info.kind = NodeKind.CONSTANT  # a Python number Dynamo lifted (dynamic=True)
                 info.unit = units.unit_of_module(module)
-                weightish.add(node)
             else:
-                info.kind = "input"
+                info.kind = NodeKind.INPUT
                 info.unit = units.unit_of_module(module)
                 if is_wide(dtype, compute):
                     info.wide = True
                     info.origin = frozenset({node.name})
             continue
         info.unit = units.unit_of_module(module)
-        inputs = [n for n in input_nodes(node) if node_value(n) is not None]
-        tensor_inputs = [n for n in inputs if node_dtype(n) is not None]
-        if node.op == "get_attr" or (tensor_inputs and all(n in weightish for n in tensor_inputs)):
-            weightish.add(node)
-            info.kind = "weight"
+        tensor_inputs = [n for n in node.all_input_nodes if node_dtype(n) is not None]
+        static = [ann.info[n].kind for n in tensor_inputs if ann.info[n].kind.is_static]
+        if node.op == "get_attr" or (tensor_inputs and len(static) == len(tensor_inputs)):
+            info.kind = NodeKind.WEIGHT if node.op == "get_attr" or NodeKind.WEIGHT in static else NodeKind.CONSTANT
             continue
         if not tensor_inputs and dtype is not None and node.op == "call_function":
-            weightish.add(node)  # a factory (arange, ones, zeros): a constant, like a weight
-            info.kind = "weight"
+            info.kind = NodeKind.CONSTANT  # a factory (arange, ones, zeros)
             continue
         if dtype is None or not dtype.is_floating_point:
-            info.kind = "other"
-            continue
+            continue  # OTHER
         if not is_wide(dtype, compute):
-            info.kind = "compute"
+            info.kind = NodeKind.COMPUTE
             continue
         info.wide = True
-        wide_acts = [n for n in tensor_inputs if n not in weightish and ann.info[n].wide]
+        wide_acts = [n for n in tensor_inputs if not ann.info[n].kind.is_static and ann.info[n].wide]
         if wide_acts:
-            info.kind = "propagation"
+            info.kind = NodeKind.PROPAGATION
             info.wide_parent = wide_acts[0]
             info.origin = frozenset().union(*(ann.info[n].origin for n in wide_acts))
             continue
-        wide_weights = [n for n in tensor_inputs if n in weightish and is_wide(node_dtype(n), compute)]
-        if is_cast(node) or not wide_weights:
-            info.kind = "intentional"  # x.float() on a narrow x, softmax in fp32, ...
+        wide_static = [n for n in tensor_inputs if ann.info[n].kind.is_static and is_wide(node_dtype(n), compute)]
+        if is_cast(node) or not wide_static:
+            info.kind = NodeKind.INTENTIONAL  # x.float() on a narrow x, softmax in fp32, ...
             info.origin = frozenset({node.name})
             continue
-        info.kind = "source"
-        narrow_float_acts = [n for n in tensor_inputs if n not in weightish and (node_dtype(n) or torch.int64).is_floating_point]
+        info.kind = NodeKind.SOURCE
+        narrow_float_acts = [
+            n for n in tensor_inputs if not ann.info[n].kind.is_static and (node_dtype(n) or torch.int64).is_floating_point
+        ]
         info.source_kind = PROMOTION if narrow_float_acts else UNCOVERED
-        info.wide_parent = wide_weights[0]
+        info.wide_parent = wide_static[0]
         info.origin = frozenset({node.name})
 
     # stream: activations that cross a module boundary or leave the graph
     for node, info in ann.info.items():
-        if node.op == "output" or node in weightish or info.dtype is None or not info.dtype.is_floating_point:
+        if node.op == "output" or info.kind.is_static or info.dtype is None or not info.dtype.is_floating_point:
             continue
-        if info.kind == "input":
+        if info.kind is NodeKind.INPUT:
             info.stream = True  # it crossed into the compiled region from the caller's module
             continue
         for user in node.users:

@@ -21,10 +21,11 @@ import operator
 import torch
 from torch import fx
 
-from fx_precision.dtypes import dtype_name, is_analysed_float
+from fx_precision.dtypes import is_analysed_float
 from fx_precision.passes.annotate import GraphAnnotation
-from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.gather_emulation import InsertedCast
 from fx_precision.passes.graph_nodes import is_cast, is_custom_op, is_view, node_value, redirect_through_cast
+from fx_precision.passes.kinds import CastKind
 
 
 def _covered_uses(ann: GraphAnnotation, node: fx.Node, compute: torch.dtype) -> list[fx.Node] | None:
@@ -59,8 +60,8 @@ def narrow_covered_stream(ann: GraphAnnotation, compute: torch.dtype) -> list[In
             InsertedCast(
                 cast.name,
                 node.name,
-                dtype_name(value.dtype),
-                dtype_name(compute),
+                value.dtype,
+                compute,
                 f"narrowed at its producer: every use ({', '.join(sorted({u.name for u in uses})[:3])}) is autocast-covered and "
                 "casts it anyway (same numbers)",
                 info.module,

@@ -26,11 +26,12 @@ from __future__ import annotations
 import torch
 from torch import fx
 
-from fx_precision.dtypes import dtype_name, parse_dtype
+from fx_precision.dtypes import dtype_name
 from fx_precision.passes.annotate import GraphAnnotation
 from fx_precision.passes.cast_literals import LITERAL_DTYPE, names_literal_dtype
-from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.gather_emulation import InsertedCast
 from fx_precision.passes.graph_nodes import is_custom_op, is_view, module_path, node_dtype, source_line
+from fx_precision.passes.kinds import CastKind, NodeKind
 
 
 def _cast_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:
@@ -60,7 +61,7 @@ def _meets_stream_value(node: fx.Node, old: torch.dtype, before: GraphAnnotation
     for user in node.users:
         for other in user.all_input_nodes:
             info = before.info.get(other)
-            if other is not node and info is not None and info.dtype == old and info.kind in ("propagation", "source"):
+            if other is not node and info is not None and info.dtype == old and info.kind in (NodeKind.PROPAGATION, NodeKind.SOURCE):
                 return True
     return False
 
@@ -91,7 +92,7 @@ def retarget_dtype_following(
         else:
             source = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
             traced = before.info.get(source) if source is not None else None
-            if traced is None or traced.dtype != target[2] or traced.kind not in ("propagation", "source", "weight"):
+            if traced is None or traced.dtype != target[2] or traced.kind not in _FOLLOWABLE:
                 continue
         code = (source_line(node) or "").split(": ", 1)[-1]
         literal = bool(LITERAL_DTYPE.search(code)) if factory else names_literal_dtype(node)
@@ -110,8 +111,8 @@ def retarget_dtype_following(
             InsertedCast(
                 node.name,
                 subject.name if subject is not None else node.name,
-                dtype_name(node_dtype(subject) if subject is not None else old),
-                dtype_name(new),
+                node_dtype(subject) if subject is not None else old,
+                new,
                 f"dtype-following {'factory' if factory else 'cast'} retargeted {dtype_name(old)} -> {dtype_name(new)} "
                 f"(traced as {code.strip()!r})",
                 module_path(node),
@@ -123,7 +124,10 @@ def retarget_dtype_following(
     return changed
 
 
-_STAYS = ("weight", "intentional", "source")  # kinds whose dtype the fix does not narrow (a source only where it leaks)
+# what a dtype-following cast may have been applied to: the leaking stream, or a static table (RoPE cos)
+_FOLLOWABLE = (NodeKind.PROPAGATION, NodeKind.SOURCE, NodeKind.WEIGHT, NodeKind.CONSTANT)
+# kinds whose dtype the fix does not narrow (a source only where it leaks)
+_STAYS = (NodeKind.WEIGHT, NodeKind.CONSTANT, NodeKind.INTENTIONAL, NodeKind.SOURCE)
 
 
 def _promotes_mixed_dtypes(user: fx.Node) -> bool:
@@ -158,7 +162,7 @@ def narrowed_map(casts: list[InsertedCast], compute: torch.dtype | None) -> dict
     """``{wide dtype: what it became}`` over the casts that narrowed something (compute wins ties)."""
     out: dict[torch.dtype, torch.dtype] = {}
     for cast in casts:
-        wide, new = parse_dtype(cast.frm), parse_dtype(cast.to)
-        if wide.itemsize > new.itemsize and (wide not in out or new == compute):
+        wide, new = cast.frm, cast.to
+        if wide is not None and wide.itemsize > new.itemsize and (wide not in out or new == compute):
             out[wide] = new
     return out

@@ -25,11 +25,12 @@ import torch
 from torch import fx
 
 from fx_precision.dtypes import dtype_name
+from fx_precision.module_graph import module_label
 from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, is_wide
 from fx_precision.passes.graph_nodes import is_cast, is_view, node_dtype, node_value, op_name, source_line
+from fx_precision.passes.kinds import NodeKind, Severity
 from fx_precision.passes.units import UnitIndex
 
-SEVERITIES = ("info", "warn", "error")
 CODES = {
     UNCOVERED: "FXP001",
     PROMOTION: "FXP002",
@@ -41,14 +42,10 @@ CODES = {
 }
 
 
-def severity_rank(severity: str | None) -> int:
-    return -1 if severity is None else SEVERITIES.index(severity)
-
-
 @dataclass(frozen=True)
 class Finding:
     code: str
-    severity: str
+    severity: Severity
     kind: str
     module: str
     unit: str | None
@@ -74,13 +71,14 @@ class Finding:
 
     def to_dict(self) -> dict[str, Any]:
         data = asdict(self)
+        data["severity"] = str(self.severity)
         data["chain"] = list(self.chain)
         data["masked_by"] = list(self.masked_by)
         return data
 
     def explain(self) -> str:
         """Multi-line text: the finding, where to change it, and how the wide dtype got there."""
-        lines = [f"[{self.severity}] {self.code} {self.kind} at {self.module or '<root>'} (node {self.node}): {self.message}"]
+        lines = [f"[{self.severity}] {self.code} {self.kind} at {module_label(self.module)} (node {self.node}): {self.message}"]
         if self.masked:
             lines.append(f"  masked (round {self.round}): visible only once {', '.join(self.masked_by) or 'an earlier source'} is fixed")
         if self.source_line:
@@ -94,7 +92,7 @@ class Finding:
 
 
 def _explained(ann: GraphAnnotation, origin: str) -> tuple[int, list[NodeInfo]]:
-    prop = [i for i in ann.info.values() if origin in i.origin and i.kind == "propagation"]
+    prop = [i for i in ann.info.values() if origin in i.origin and i.kind is NodeKind.PROPAGATION]
     stream = [i for i in ann.info.values() if origin in i.origin and i.stream and i.wide]
     return len(prop), stream
 
@@ -123,7 +121,7 @@ def graph_findings(
     compute = ann.compute
     out: list[Finding] = []
     for info in ann.info.values():
-        if info.kind == "source":
+        if info.kind is NodeKind.SOURCE:
             props, stream = _explained(ann, info.name)
             if not stream:
                 continue  # contained: the program narrows it again before any module boundary
@@ -145,7 +143,7 @@ def graph_findings(
             out.append(
                 Finding(
                     code=CODES[info.source_kind or UNCOVERED],
-                    severity="error",
+                    severity=Severity.ERROR,
                     kind=info.source_kind or UNCOVERED,
                     module=info.module,
                     unit=info.unit,
@@ -159,13 +157,13 @@ def graph_findings(
                     suggestion=fix,
                 )
             )
-        elif info.kind == "intentional":
+        elif info.kind is NodeKind.INTENTIONAL:
             props, stream = _explained(ann, info.name)
             if stream:
                 out.append(
                     Finding(
                         code=CODES["explicit-upcast"],
-                        severity="warn",
+                        severity=Severity.WARN,
                         kind="explicit-upcast",
                         module=info.module,
                         unit=info.unit,
@@ -173,7 +171,7 @@ def graph_findings(
                         source_line=info.line,
                         chain=_chain(ann, info, stream),
                         message=f"{op_name(info.node)} produces {dtype_name(info.dtype)} as the program asked, and it leaks into "
-                        f"the stream ({len(stream)} wide stream tensor(s), first at {stream[0].module or '<root>'})",
+                        f"the stream ({len(stream)} wide stream tensor(s), first at {module_label(stream[0].module)})",
                         graph=graph_index,
                         propagations=props,
                         stream_tensors=len(stream),
@@ -181,13 +179,13 @@ def graph_findings(
                         f"otherwise cast back to {dtype_name(compute)} before the module returns",
                     )
                 )
-        elif info.kind == "input" and info.wide:
+        elif info.kind is NodeKind.INPUT and info.wide:
             props, stream = _explained(ann, info.name)
             leaks = [s for s in stream if s.node is not info.node]
             out.append(
                 Finding(
                     code=CODES["wide-input"],
-                    severity="warn" if leaks else "info",
+                    severity=Severity.WARN if leaks else Severity.INFO,
                     kind="wide-input",
                     module=info.module,
                     unit=info.unit,
@@ -206,7 +204,7 @@ def graph_findings(
         out.append(
             Finding(
                 code=CODES["plan-mismatch"],
-                severity="warn",
+                severity=Severity.WARN,
                 kind="plan-mismatch",
                 module=info.module,
                 unit=info.unit,
@@ -247,7 +245,7 @@ def _round_trips(ann: GraphAnnotation, graph_index: int) -> list[Finding]:
         out.append(
             Finding(
                 code=CODES["round-trip-cast"],
-                severity="info",
+                severity=Severity.INFO,
                 kind="round-trip-cast",
                 module=info.module,
                 unit=info.unit,
@@ -284,7 +282,7 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
         return []
     per_unit: dict[str, list[tuple[NodeInfo, bool | None]]] = {}
     for node, info in ann.info.items():
-        if info.kind == "weight" and info.param_kind == "parameter" and info.unit is not None:
+        if info.kind is NodeKind.WEIGHT and info.param_kind == "parameter" and info.unit is not None:
             per_unit.setdefault(info.unit, []).append((info, _covered_uses(ann, node)))
     out = []
     for unit, weights in per_unit.items():
@@ -294,13 +292,13 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
         used = [(w, covered) for w, covered in weights if covered is not None]
         if not used or not all(covered for _, covered in used) or not all(is_wide(w.dtype, compute) for w, _ in used):
             continue
-        target = unit or "<root>"
+        target = module_label(unit)
         rule = f"{unit}={dtype_name(compute)}" if unit else f"default_gather={dtype_name(compute)} (--gather {dtype_name(compute)})"
         saved = sum(int(_numel(w)) * (w.dtype.itemsize - compute.itemsize) for w, _ in used if w.dtype is not None)
         out.append(
             Finding(
                 code=CODES["wide-gather"],
-                severity="info",
+                severity=Severity.INFO,
                 kind="wide-gather",
                 module=unit,
                 unit=unit,

@@ -32,11 +32,13 @@ import torch
 from torch import fx
 
 from fx_precision.errors import PrecisionError
+from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, settle_rewrite
 from fx_precision.passes.annotate import NodeInfo
 from fx_precision.passes.covered_narrowing import narrow_covered_stream
 from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.kinds import CastKind
 from fx_precision.passes.repropagate import repropagate
 from fx_precision.passes.source_casts import cast_sources
 
@@ -95,7 +97,7 @@ def fix_to_fixed_point(
         if not pending:
             break
         if result.rounds >= max_rounds:
-            names = ", ".join(f"{f.code} at {f.module or '<root>'} (node {f.node})" for f in pending[:5])
+            names = ", ".join(f"{f.code} at {module_label(f.module)} (node {f.node})" for f in pending[:5])
             raise PrecisionError(
                 f"graph {first.index}: sources still appear after {max_rounds} rounds of casts ({names}); the pass cannot "
                 "converge on this graph. Report the model, and meanwhile cast these outputs to the compute dtype in the model."

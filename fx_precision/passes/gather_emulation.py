@@ -11,25 +11,17 @@ at a dtype that is neither its gather nor its master dtype is a plan mismatch, n
 
 from __future__ import annotations
 
-import enum
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 
 from fx_precision.dtypes import dtype_name
+from fx_precision.module_graph import module_label
 from fx_precision.passes.annotate import GraphAnnotation, NodeInfo
 from fx_precision.passes.graph_nodes import redirect_through_cast
+from fx_precision.passes.kinds import CastKind
 from fx_precision.passes.units import UnitIndex
-
-
-class CastKind(str, enum.Enum):
-    """Why the pass cast something (a ``str`` enum: JSON and old comparisons see the value)."""
-
-    GATHER = "gather-emulation"  # a parameter to its unit's gather dtype, at its use
-    SOURCE_OUTPUT = "source-output"  # a source's output to the compute dtype
-    SOURCE_OPERAND = "source-operand"  # a promotion's module-crossing operand, for that use
-    RETARGET = "dtype-following"  # a traced cast / factory dtype that followed a narrowed value
-    COVERED = "covered-narrowing"  # a wide tensor only autocast-covered ops use, at its producer
 
 
 @dataclass(frozen=True)
@@ -38,12 +30,16 @@ class InsertedCast:
 
     node: str
     of: str
-    frm: str
-    to: str
+    frm: torch.dtype | None
+    to: torch.dtype
     reason: str
     module: str
     fixes: str | None = None  # the source finding's node a source cast fixes
     kind: CastKind = CastKind.GATHER
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: dtypes by name (``bf16``), the kind by value (``gather-emulation``)."""
+        return {**asdict(self), "frm": dtype_name(self.frm), "to": dtype_name(self.to), "kind": str(self.kind)}
 
 
 def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[InsertedCast], list[tuple[NodeInfo, torch.dtype]]]:
@@ -66,9 +62,9 @@ def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[Insert
             InsertedCast(
                 cast.name,
                 info.param,
-                dtype_name(info.dtype),
-                dtype_name(planned.gather),
-                f"gather emulation: unit {planned.unit or '<root>'} gathers {info.param} at {dtype_name(planned.gather)} "
+                info.dtype,
+                planned.gather,
+                f"gather emulation: unit {module_label(planned.unit)} gathers {info.param} at {dtype_name(planned.gather)} "
                 f"(seen at master {dtype_name(info.dtype)})",
                 info.module,
             )

@@ -44,19 +44,6 @@ def node_dtype(node: fx.Node) -> torch.dtype | None:
     return tensors[0].dtype
 
 
-def input_nodes(node: fx.Node) -> list[fx.Node]:
-    """Every node among ``node``'s args and kwargs (nested), in order, without repeats."""
-    found: list[fx.Node] = []
-
-    def visit(arg: Any) -> Any:
-        if isinstance(arg, fx.Node) and arg not in found:
-            found.append(arg)
-        return arg
-
-    fx.node.map_arg((node.args, node.kwargs), visit)
-    return found
-
-
 _ROOT = re.compile(r"^L\[['\"][^'\"]+['\"]\](\[\d+\])?")
 
 

@@ -16,8 +16,10 @@ from torch import fx
 from torch._guards import detect_fake_mode
 from torch._subclasses.fake_tensor import FakeTensor
 
-from fx_precision.passes.graph_nodes import node_value
-from fx_precision.policy import autocast_context
+from fx_precision.autocast import autocast_context
+from fx_precision.errors import PrecisionError
+from fx_precision.module_graph import module_label
+from fx_precision.passes.graph_nodes import module_path, node_value, op_name, source_line
 
 
 def graph_device_type(gm: fx.GraphModule) -> str:
@@ -40,7 +42,15 @@ class _Propagate(fx.Interpreter):
         return value
 
     def run_node(self, n: fx.Node) -> Any:
-        result = super().run_node(n)
+        try:
+            result = super().run_node(n)
+        except Exception as exc:  # name the node, as torch.fx.passes.shape_prop does
+            where = source_line(n) or "no source line"
+            raise PrecisionError(
+                f"re-propagating dtypes after the pass's casts failed at node {n.name} ({op_name(n)}) in module "
+                f"{module_label(module_path(n))}, {where}: {type(exc).__name__}: {exc}. Please report the model; "
+                "meanwhile make_precision_backend(mode='lint') compiles it unchanged"
+            ) from exc
         if n.op not in ("placeholder", "output"):
             n.meta["example_value"] = result
         return result

@@ -19,11 +19,13 @@ import operator
 import torch
 from torch import fx
 
-from fx_precision.dtypes import dtype_name, is_analysed_float
+from fx_precision.dtypes import is_analysed_float
+from fx_precision.module_graph import module_label
 from fx_precision.passes.annotate import PROMOTION, GraphAnnotation, NodeInfo
 from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import CastKind, InsertedCast
+from fx_precision.passes.gather_emulation import InsertedCast
 from fx_precision.passes.graph_nodes import cast_for_one_use, is_cast, is_view, node_dtype, node_value, redirect_through_cast
+from fx_precision.passes.kinds import CastKind
 
 
 def _cast_points(node: fx.Node, compute: torch.dtype) -> list[fx.Node]:
@@ -67,14 +69,14 @@ def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dt
         if crossing is not None:
             operand, user = crossing
             cast = cast_for_one_use(operand, user, compute)
-            where = ann.info[operand].module or "<root>"
+            where = module_label(ann.info[operand].module)
             reason = f"{finding.code} {finding.kind} source: its operand {operand.name} crosses from {where}"
             casts.append(
                 InsertedCast(
                     cast.name,
                     operand.name,
-                    dtype_name(ann.info[operand].dtype),
-                    dtype_name(compute),
+                    ann.info[operand].dtype,
+                    compute,
                     reason,
                     where,
                     info.name,
@@ -88,8 +90,8 @@ def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dt
                 InsertedCast(
                     cast.name,
                     point.name,
-                    dtype_name(info.dtype),
-                    dtype_name(compute),
+                    info.dtype,
+                    compute,
                     f"{finding.code} {finding.kind} source: {finding.message.split(';')[0]}",
                     info.module,
                     info.name,

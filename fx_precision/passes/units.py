@@ -12,6 +12,7 @@ unambiguous (or every candidate agrees).
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -36,39 +37,32 @@ class UnitIndex:
         return cls(dict(units) or {"": None})
 
     # -- resolution ------------------------------------------------------------------------------
-    def _resolve(self, fqn: str, names: list[str]) -> str | None:
+    @staticmethod
+    def _matches(fqn: str, names: Iterable[str]) -> list[str]:
+        """``fqn`` itself if known; else the names equal to it ignoring case, or ending in ``.fqn``
+        (a graph compiled per block names modules from the block: ``mlp`` for ``model.layers.3.mlp``)."""
+        names = list(names)
         if fqn in names:
-            return fqn
+            return [fqn]
         if not fqn:
-            return None
+            return []
         lowered = fqn.lower()
-        hits = [n for n in names if n.lower() == lowered or n.lower().endswith("." + lowered)]
-        return hits[0] if len(hits) == 1 else None
+        return [n for n in names if n.lower() == lowered or n.lower().endswith("." + lowered)]
 
     def param(self, fqn: str) -> ParamPlan | None:
-        """The plan of a parameter, by exact, case-insensitive or unambiguous-suffix FQN."""
-        name = self._resolve(fqn, list(self.params))
-        if name is not None:
-            return self.params[name]
-        if not fqn or not self.params:
-            return None
-        lowered = fqn.lower()
-        hits = [p for n, p in self.params.items() if n.lower().endswith("." + lowered) or n.lower() == lowered]
-        if hits and all((p.gather, p.master) == (hits[0].gather, hits[0].master) for p in hits):
-            return hits[0]  # e.g. "mlp.up_proj.weight" in a per-layer graph: every layer agrees
+        """The plan of a parameter: by its FQN, or by a suffix whose every match is planned alike
+        (``mlp.up_proj.weight`` in a per-layer graph: every layer agrees)."""
+        plans = [self.params[name] for name in self._matches(fqn, self.params)]
+        if plans and all((p.gather, p.master) == (plans[0].gather, plans[0].master) for p in plans):
+            return plans[0]
         return None
 
     def unit_of_module(self, fqn: str) -> str | None:
-        if self.module_unit:
-            name = self._resolve(fqn, list(self.module_unit))
-            if name is not None:
-                return self.module_unit[name]
-        best = None
-        for unit in self.units:
-            if unit == "" or fqn == unit or fqn.startswith(unit + "."):
-                if best is None or len(unit) > len(best):
-                    best = unit
-        return best
+        hits = self._matches(fqn, self.module_unit) if self.module_unit else []
+        if len(hits) == 1:
+            return self.module_unit[hits[0]]
+        enclosing = [unit for unit in self.units if unit == "" or fqn == unit or fqn.startswith(unit + ".")]
+        return max(enclosing, key=len, default=None)
 
     def unit_of_param(self, fqn: str) -> str | None:
         planned = self.param(fqn)

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
-from fx_precision.zoo import _transformers
+from fx_precision.tools.zoo import _transformers
 
 _DIMS: dict[str, Any] = dict(
     vocab_size=256,

@@ -1,4 +1,8 @@
-"""``fx-precision``: one entry point, one verb per capability (``--json`` on every verb).
+"""``fx-precision``: one entry point, one verb per capability.
+
+One JSON convention on every verb: ``--json`` prints the verb's JSON on stdout instead of its
+table; ``--json FILE`` writes the JSON to FILE and prints the table. Errors exit 2 with one line
+on stderr, and with ``--json`` in either form also ``{"error": ...}`` on stdout.
 
 fx-precision demo      the Qwen3.5 reproduction: four policies + default, fp32 share of module IO
 fx-precision plan      lower --rules onto --model and print the wrap units
@@ -15,14 +19,37 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from fx_precision.errors import PrecisionError
 
 if TYPE_CHECKING:
-    from fx_precision.census_driver import CensusConfig
+    from fx_precision.tools.census_driver import CensusConfig
 
 Handler = Callable[[argparse.Namespace], int]
+STDOUT = "-"
+
+
+def _add_json_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--json",
+        nargs="?",
+        const=STDOUT,
+        default=None,
+        metavar="FILE",
+        help="--json: print JSON instead of the table; --json FILE: write JSON to FILE and print the table",
+    )
+
+
+def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
+    """The JSON convention (module docstring): ``data`` as JSON, ``text()`` as the table."""
+    if args.json == STDOUT:
+        print(json.dumps(data, indent=2, default=str))
+        return
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(data, f, indent=2, default=str)
+    print(text())
 
 
 def _add_model_args(p: argparse.ArgumentParser) -> None:
@@ -38,13 +65,13 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
         default=None,
         help="module-FQN glob whose outermost matches are FSDP2 units (repeatable; default: the decoder layers)",
     )
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_json_arg(p)
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    from fx_precision.plan import compile_precision
+    from fx_precision.lowering import compile_precision
     from fx_precision.spec import parse_precision_rules
-    from fx_precision.zoo import build_model
+    from fx_precision.tools.zoo import build_model
 
     model = build_model(args.model, device="meta")
     plan = compile_precision(
@@ -54,7 +81,7 @@ def cmd_plan(args: argparse.Namespace) -> int:
         default_master=args.master,
         wrap=args.wrap or (),
     )
-    print(plan.to_json() if args.json else plan.explain())
+    _emit(args, plan.to_dict(), plan.explain)
     return 0
 
 
@@ -81,7 +108,7 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def _census_config(args: argparse.Namespace) -> CensusConfig:
-    from fx_precision.census_driver import CensusConfig
+    from fx_precision.tools.census_driver import CensusConfig
 
     none = {"none", "None", ""}
     return CensusConfig(
@@ -100,43 +127,41 @@ def _census_config(args: argparse.Namespace) -> CensusConfig:
 
 
 def cmd_census(args: argparse.Namespace) -> int:
-    from fx_precision.census_driver import run_census
+    from fx_precision.tools.census_driver import run_census
 
     if args.wrap is not None:
         raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
     ((cfg, policy, result),) = run_census([_census_config(args)], world_size=args.world_size)
-    if args.json:
-        print(json.dumps({"model": cfg.model, "world_size": args.world_size, "policy": policy, **result.to_dict()}, indent=2))
-    else:
-        print(f"{cfg.model} on {args.world_size} gloo rank(s); policy: {policy}")
-        print(result.render(top=args.top))
+    data = {"model": cfg.model, "world_size": args.world_size, "policy": policy, **result.to_dict()}
+    _emit(args, data, lambda: f"{cfg.model} on {args.world_size} gloo rank(s); policy: {policy}\n{result.render(top=args.top)}")
     return 0
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    from fx_precision.census_driver import demo_configs, demo_rows, run_census
+    from fx_precision.tools.census_driver import demo_configs, demo_rows, run_census
 
     rows = demo_rows(run_census(demo_configs(args.model), world_size=1))
-    if args.json:
-        print(json.dumps({"model": args.model, "rows": rows}, indent=2))
-        return 0
-    print(f"{args.model} under FSDP2 (1 gloo rank), fp32 master, fp32 gather: dtypes of every module input/output tensor\n")
-    print(
-        tabulate(
+
+    def table() -> str:
+        both = next(r for r in rows if r["policy"] == "both fixes")
+        grid = tabulate(
             [[r["policy"], r["float_tensors"], r["fp32"], r["bf16"], f"{r['fp32_share']:.0%}", r["meaning"]] for r in rows],
             headers=["policy", "float tensors", "fp32", "bf16", "fp32 share", "what the row means"],
         )
-    )
-    both = next(r for r in rows if r["policy"] == "both fixes")
-    print(f"\nint64 tensors with both fixes: {len(both['int64_paths'])}, all token/position ids: {', '.join(both['int64_paths'])}")
+        return (
+            f"{args.model} under FSDP2 (1 gloo rank), fp32 master, fp32 gather: dtypes of every module input/output tensor\n\n{grid}\n"
+            f"\nint64 tensors with both fixes: {len(both['int64_paths'])}, all token/position ids: {', '.join(both['int64_paths'])}"
+        )
+
+    _emit(args, {"model": args.model, "rows": rows}, table)
     return 0
 
 
 def cmd_lint(args: argparse.Namespace) -> int:
     from fx_precision.lint import lint
-    from fx_precision.zoo import build_model, forward_kwargs, token_batch
+    from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 
     cfg: CensusConfig = _census_config(args)
     meta = args.meta or args.model == "qwen3_5-4b"
@@ -148,16 +173,12 @@ def cmd_lint(args: argparse.Namespace) -> int:
     if args.dot:
         with open(args.dot, "w") as f:
             f.write(report.to_dot())
-    if args.json:
-        print(report.to_json())
-    else:
-        print(f"{args.model}{' (meta)' if meta else ''}; policy: {policy.describe()}")
-        print(report.render())
+    _emit(args, report.to_dict(), lambda: f"{args.model}{' (meta)' if meta else ''}; policy: {policy.describe()}\n{report.render()}")
     return 1 if report.reaches(args.fail_on) else 0
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
-    from fx_precision.bench import render, run_benchmark, save_json
+    from fx_precision.tools.bench import render, run_benchmark
 
     if args.device == "cuda":
         import torch
@@ -173,20 +194,15 @@ def cmd_bench(args: argparse.Namespace) -> int:
         device=args.device,
     )
     result["command"] = "fx-precision bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fx-precision bench"
-    if args.json:
-        save_json(result, args.json)
-    print(render(result))
+    _emit(args, result, lambda: render(result))
     return 0
 
 
 def cmd_sweep(args: argparse.Namespace) -> int:
-    from fx_precision.sweep import render, run_sweep
+    from fx_precision.tools.sweep import render, run_sweep
 
     rows = run_sweep(args.arch or None, census=not args.no_census)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"command": "fx-precision sweep " + " ".join(sys.argv[2:]), "rows": rows}, f, indent=2, default=str)
-    print(render(rows))
+    _emit(args, {"command": "fx-precision sweep " + " ".join(sys.argv[2:]), "rows": rows}, lambda: render(rows))
     failed = [r["arch"] for r in rows if "error" in r or r.get("enforce", {}).get("errors_after")]
     if failed:
         print(f"\nnot compatible: {', '.join(failed)}", file=sys.stderr)
@@ -244,19 +260,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda times with CUDA events)")
     p.add_argument("--quick", action="store_true", help="tiny Qwen3.5, small batch: minutes on a CPU")
-    p.add_argument("--json", metavar="FILE", help="also write every figure as JSON to FILE")
+    _add_json_arg(p)
     p.set_defaults(handler=cmd_bench)
 
     p = sub.add_parser(
         "sweep",
         help="compatibility matrix: lint, enforce (fwd+bwd), fp32 stream tensors and FSDP2 census over tiny transformers archs",
-        description="Builds each architecture of fx_precision.arch_zoo from a tiny config (random init, CPU), lints it under bf16 "
+        description="Builds each architecture of fx_precision.tools.arch_zoo from a tiny config (random init, CPU), lints it under bf16 "
         "autocast, compiles it with precision_backend (enforce, aot_eager) forward and backward, counts fp32 stream tensors as traced, "
         "after the pass and after a hand fix, and takes an FSDP2 census under resolve_policy on 1 gloo rank. Exit 1 if any "
         "architecture fails.",
     )
     p.add_argument("--arch", action="append", default=None, metavar="NAME", help="architecture (repeatable; default: all)")
-    p.add_argument("--json", metavar="FILE", help="also write every row as JSON to FILE")
+    _add_json_arg(p)
     p.add_argument("--no-census", action="store_true", help="skip the FSDP2 census (no gloo rank)")
     p.set_defaults(handler=cmd_sweep)
 
@@ -267,7 +283,7 @@ def build_parser() -> argparse.ArgumentParser:
         "bf16 autocast as-is, with each fix alone, with both fixes, and the default policy (no autocast).",
     )
     p.add_argument("--model", default="qwen3_5-tiny", help="model name (default qwen3_5-tiny)")
-    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    _add_json_arg(p)
     p.set_defaults(handler=cmd_demo)
     return parser
 

@@ -26,8 +26,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fx_precision.arch_zoo import ARCHS, Arch, arch
-from fx_precision.zoo import logits_of
+from fx_precision.tools.arch_zoo import ARCHS, Arch, arch
+from fx_precision.tools.zoo import logits_of
 
 COMPUTE = torch.bfloat16
 Recorder = Callable[[str, str, fx.GraphModule], None]
@@ -160,9 +160,9 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
 def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     """Inside a gloo rank: each architecture under FSDP2 with ``resolve_policy`` defaults, census."""
     from fx_precision.census import census
-    from fx_precision.distributed import cpu_mesh
     from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
     from fx_precision.policy import resolve_policy
+    from fx_precision.tools.distributed import cpu_mesh
 
     out: dict[str, Any] = {}
     for name in names:
@@ -187,7 +187,7 @@ def run_sweep(names: list[str] | None = None, *, census: bool = True, record: Re
     specs = [arch(n) for n in names] if names else list(ARCHS)
     rows = [sweep_arch(spec, record=record) for spec in specs]
     if census:
-        from fx_precision.distributed import run_on_ranks
+        from fx_precision.tools.distributed import run_on_ranks
 
         (per_arch,) = run_on_ranks(census_rows, 1, [s.name for s in specs])
         for row in rows:

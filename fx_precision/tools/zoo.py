@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
-from fx_precision.toy_decoder import ToyDecoder
+from fx_precision.tools.toy_decoder import ToyDecoder
 
 HF_INSTALL_HINT = "pip install 'fx_precision[hf]' (or: pip install transformers)"
 

@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fx_precision.census import Census, census
-from fx_precision.distributed import cpu_mesh, run_on_ranks
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
+from fx_precision.module_graph import module_label
 from fx_precision.policy import PrecisionPolicy, resolve_policy
 from fx_precision.spec import PrecisionSpec, parse_precision_rules
-from fx_precision.zoo import build_model, forward_kwargs, token_batch
+from fx_precision.tools.distributed import cpu_mesh, run_on_ranks
+from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 
 
 @dataclass(frozen=True)
@@ -55,12 +56,13 @@ class CensusConfig:
         )
 
 
-def _plain_wrap(model: Any, world_size: int) -> None:
+def plain_layer_wrap(model: Any, mesh: Any) -> None:
+    """The reference: what users write without fx_precision, ``fully_shard`` per decoder layer and
+    on the root, ``MixedPrecisionPolicy(fp32, fp32)``."""
     import torch
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mp = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
-    mesh = cpu_mesh(world_size)
     for glob in layer_wrap_globs(model):
         parent = model.get_submodule(glob.removesuffix(".*"))
         for layer in parent.children():
@@ -75,14 +77,14 @@ def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> l
         model = build_model(cfg.model, seed=cfg.seed)
         policy = cfg.policy(model)
         if cfg.plain_wrap:
-            _plain_wrap(model, world_size)
+            plain_layer_wrap(model, cpu_mesh(world_size))
             plan_units: list[str] = []
         else:
             plan = policy.plan(model, wrap=layer_wrap_globs(model))
             apply_fsdp2(
                 model, plan, mesh=cpu_mesh(world_size), reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs)
             )
-            plan_units = [f"{u.fqn or '<root>'}:{u.gather}" for u in plan.units]
+            plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in plan.units]
         ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
         with policy.forward_context("cpu"):
             result = census(model, ids, backward=cfg.backward, **forward_kwargs(model))
@@ -158,7 +160,7 @@ def demo_rows(results: list[tuple[CensusConfig, str, Census]]) -> list[dict[str,
                 "fp32": floats.get("fp32", 0),
                 "bf16": floats.get("bf16", 0),
                 "fp32_share": floats.get("fp32", 0) / n_float if n_float else 0.0,
-                "int64_paths": sorted({f"{e.module or '<root>'}:{e.path}" for e in c.entries if e.dtype == "int64"}),
+                "int64_paths": sorted({f"{module_label(e.module)}:{e.path}" for e in c.entries if e.dtype == "int64"}),
                 "totals": c.totals(),
                 "meaning": cfg.meaning,
                 "resolved": policy,

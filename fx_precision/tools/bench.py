@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import contextlib
 import gc
-import json
 import os
 import platform
 import statistics
@@ -38,10 +37,11 @@ from fx_precision.archs import input_embedding_fqns
 from fx_precision.backend import make_precision_backend
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
-from fx_precision.kernel_census import census_of_code, per_token_size, summary
-from fx_precision.plan import PrecisionPlan, compile_precision
+from fx_precision.lowering import compile_precision
+from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import parse_precision_rules
-from fx_precision.zoo import build_model, forward_kwargs, logits_of, token_batch, vocab_size
+from fx_precision.tools.kernel_census import census_of_code, per_token_size, summary
+from fx_precision.tools.zoo import build_model, forward_kwargs, logits_of, token_batch, vocab_size
 
 EMBED_RULE = "<input embeddings>=bf16"  # by role: input_embedding_fqns(model), whatever they are named
 
@@ -105,35 +105,27 @@ def machine_info(device: str) -> dict[str, Any]:
 
 @contextlib.contextmanager
 def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
-    """Eager gather emulation: each module's planned-narrower parameters are cast at its forward."""
+    """Eager gather emulation, as FSDP2 gathers: every call of the model sees each parameter at its
+    planned gather dtype (a cast of the master, differentiable), however the forward reaches it:
+    through its module, or directly (GatedDeltaNet reads ``self.conv1d.weight`` in its own forward)."""
     from torch.nn.utils.stateless import _reparametrize_module
 
-    originals: list[tuple[nn.Module, Callable[..., Any]]] = []
-    modules = dict(model.named_modules())
-    owners = {fqn.rpartition(".")[0] for fqn in plan.params}
-    for owner_fqn in sorted(owners):
-        owner = modules[owner_fqn]
-        dtypes = {
-            name: plan.param(f"{owner_fqn}.{name}" if owner_fqn else name).gather for name, _ in owner.named_parameters(recurse=False)
-        }
-        if all(owner.get_parameter(name).dtype == dtype for name, dtype in dtypes.items()):
-            continue
-        original = owner.forward
+    names = {fqn: plan.param(fqn).gather for fqn, p in model.named_parameters() if p.is_floating_point()}
+    if all(model.get_parameter(fqn).dtype == dtype for fqn, dtype in names.items()):
+        yield
+        return
+    original = model.forward
 
-        def forward(
-            *args: Any, _owner: nn.Module = owner, _orig: Callable[..., Any] = original, _dtypes: dict = dtypes, **kwargs: Any
-        ) -> Any:
-            cast = {name: p.to(_dtypes[name]) for name, p in _owner.named_parameters(recurse=False)}
-            with _reparametrize_module(_owner, cast):
-                return _orig(*args, **kwargs)
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cast = {fqn: model.get_parameter(fqn).to(dtype) for fqn, dtype in names.items()}
+        with _reparametrize_module(model, cast, tie_weights=True):
+            return original(*args, **kwargs)
 
-        owner.forward = forward  # type: ignore[method-assign]
-        originals.append((owner, original))
+    model.forward = forward  # type: ignore[method-assign]
     try:
         yield
     finally:
-        for owner, original in originals:
-            owner.forward = original  # type: ignore[method-assign]
+        model.forward = original  # type: ignore[method-assign]
 
 
 class _SavedBytes:
@@ -279,7 +271,7 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
         result["pass_share_of_compile"] = pass_seconds / compile_seconds if compile_seconds else None
         if backend is not None:
             result["graphs"] = len(backend.reports)
-            result["casts"] = [c.__dict__ for r in backend.reports for c in r.casts]
+            result["casts"] = [c.to_dict() for r in backend.reports for c in r.casts]
     return result  # the model and its compiled forward go out of scope here
 
 
@@ -375,8 +367,3 @@ def render(result: dict[str, Any]) -> str:
         if "kernels" in r
     )
     return f"{head}{note}\n\n{table}\n\nkernel bytes by dtype (generated; extern matmuls/attention listed apart):\n{extern}"
-
-
-def save_json(result: dict[str, Any], path: str) -> None:
-    with open(path, "w") as f:
-        json.dump(result, f, indent=2, default=str)

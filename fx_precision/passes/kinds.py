@@ -1,0 +1,72 @@
+"""The vocabularies of the analysis: what a node is, how bad a finding is, why a cast was inserted.
+
+Each is a ``str`` enum: it compares equal to, formats as and serialises to its value
+(``Severity.ERROR == "error"``), so reports, JSON and ``--fail-on error`` read as before.
+
+    NodeKind   weight | constant | input | compute | intentional | source | propagation | other
+    Severity   info < warn < error
+    CastKind   gather-emulation | source-output | source-operand | dtype-following | covered-narrowing
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Iterable
+
+
+class _TextEnum(str, enum.Enum):
+    def __str__(self) -> str:
+        return str(self.value)
+
+    def __format__(self, spec: str) -> str:
+        return format(str(self.value), spec)
+
+
+class NodeKind(_TextEnum):
+    """What a float node of a graph is, for the precision contract (see ``annotate``)."""
+
+    WEIGHT = "weight"  # a parameter or buffer, or computed from them (and constants) alone
+    CONSTANT = "constant"  # a factory (arange, zeros, tensor), a lifted Python number, or computed from those alone
+    INPUT = "input"  # a graph input that is not a parameter
+    COMPUTE = "compute"  # not wider than the compute dtype
+    INTENTIONAL = "intentional"  # wide because the program asked (x.float(), an op autocast runs in fp32)
+    SOURCE = "source"  # wide without the program asking: the leak starts here
+    PROPAGATION = "propagation"  # wide because an activation input is wide (type_as, residual adds)
+    OTHER = "other"  # not a float tensor
+
+    @property
+    def is_static(self) -> bool:
+        """Weights and constants: values that do not depend on the batch."""
+        return self in (NodeKind.WEIGHT, NodeKind.CONSTANT)
+
+
+class Severity(_TextEnum):
+    INFO = "info"
+    WARN = "warn"
+    ERROR = "error"
+
+    @property
+    def rank(self) -> int:
+        return _SEVERITY_ORDER.index(self)
+
+    @classmethod
+    def worst(cls, severities: Iterable[Severity]) -> Severity | None:
+        return max(severities, key=lambda s: s.rank, default=None)
+
+
+_SEVERITY_ORDER = (Severity.INFO, Severity.WARN, Severity.ERROR)
+
+
+def severity_rank(severity: str | Severity | None) -> int:
+    """-1 for no severity; ``"warn"`` and ``Severity.WARN`` rank alike."""
+    return -1 if severity is None else Severity(severity).rank
+
+
+class CastKind(_TextEnum):
+    """Why the pass cast something."""
+
+    GATHER = "gather-emulation"  # a parameter to its unit's gather dtype, at its use
+    SOURCE_OUTPUT = "source-output"  # a source's output to the compute dtype
+    SOURCE_OPERAND = "source-operand"  # a promotion's module-crossing operand, for that use
+    RETARGET = "dtype-following"  # a traced cast / factory dtype that followed a narrowed value
+    COVERED = "covered-narrowing"  # a wide tensor only autocast-covered ops use, at its producer

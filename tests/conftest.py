@@ -1,0 +1,54 @@
+"""Test-wide switches: which tests need ``transformers`` (the dev extra), and running without it.
+
+``@pytest.mark.needs_transformers`` marks a test that builds a transformers architecture; it is
+skipped, with the reason, where transformers is not installed. ``--without-transformers`` hides
+the package for the run, so that every other test is shown to stand alone. The summary line at
+the end counts both.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+
+import pytest
+
+_COUNTS: dict[str, int] = {}
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--without-transformers",
+        action="store_true",
+        help="hide the transformers package (as on an install without the dev extra); tests that need it are skipped",
+    )
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "needs_transformers: builds a transformers architecture (the dev extra installs it)")
+    if config.getoption("--without-transformers"):
+        sys.modules["transformers"] = None  # type: ignore[assignment]  # `import transformers` now raises ImportError
+
+
+def _transformers_missing(config: pytest.Config) -> bool:
+    return bool(config.getoption("--without-transformers")) or importlib.util.find_spec("transformers") is None
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    missing = _transformers_missing(config)
+    skip = pytest.mark.skip(reason="needs transformers: pip install -e '.[dev]'")
+    needing = [item for item in items if "needs_transformers" in item.keywords]
+    if missing:
+        for item in needing:
+            item.add_marker(skip)
+    _COUNTS.update(total=len(items), needing=len(needing), missing=int(missing))
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    if not _COUNTS:
+        return
+    total, needing = _COUNTS["total"], _COUNTS["needing"]
+    state = "hidden or absent: those were skipped" if _COUNTS["missing"] else "installed"
+    terminalreporter.write_line(
+        f"fx_precision: {total} tests collected; {total - needing} run without transformers, {needing} need it ({state})"
+    )
