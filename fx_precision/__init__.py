@@ -47,6 +47,11 @@ _EXPORTS: dict[str, str] = {
     "lint": "fx_precision.lint",
     "Finding": "fx_precision.passes.findings",
     "PrecisionBackend": "fx_precision.backend",
+    "dump": "fx_precision.dump",
+    "DumpRecorder": "fx_precision.dump",
+    "compare": "fx_precision.compare",
+    "Comparison": "fx_precision.compare",
+    "Side": "fx_precision.compare",
     "make_precision_backend": "fx_precision.backend",
     "precision_backend": "fx_precision.backend",
 }
@@ -57,7 +62,7 @@ _MOVED = ("zoo", "toy_decoder", "arch_zoo", "bench", "kernel_census", "census_dr
 
 
 class _Package(types.ModuleType):
-    """``census`` and ``lint`` are functions and submodules alike. Importing a
+    """``census``, ``lint``, ``dump`` and ``compare`` are functions and submodules alike. Importing a
     submodule binds it on its package; here the function keeps the name (the module stays in
     ``sys.modules``, and ``from fx_precision.lint import LintReport`` works as ever)."""
 

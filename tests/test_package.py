@@ -24,9 +24,9 @@ def test_importing_the_package_or_the_spec_loads_neither_dynamo_nor_fsdp() -> No
 def test_functions_keep_their_names_after_their_submodules_are_imported() -> None:
     code = (
         "import fx_precision as fxp\n"
-        "import fx_precision.lint, fx_precision.census\n"
+        "import fx_precision.lint, fx_precision.census, fx_precision.dump, fx_precision.compare\n"
         "from fx_precision.lint import LintReport\n"
-        "print(all(callable(f) and not isinstance(f, type(fxp)) for f in (fxp.lint, fxp.census)))"
+        "print(all(callable(f) and not isinstance(f, type(fxp)) for f in (fxp.lint, fxp.census, fxp.dump, fxp.compare)))"
     )
     assert run(code) == "True"
 

@@ -10,6 +10,8 @@ fx-precision census    eager module-IO dtype inventory under FSDP2 (1..N gloo ra
 fx-precision lint      FX-graph dtype analysis; exits 1 when findings reach --fail-on
 fx-precision bench     kernel/bytes/time benchmark against default Inductor and pure bf16
 fx-precision sweep     compatibility matrix over tiny transformers architectures
+fx-precision dump      every module call's outputs of one forward, to a directory (N ranks: one per rank)
+fx-precision compare   where two forwards part: first origin module and op, log-prob |delta|, K3 KL
 """
 
 from __future__ import annotations
@@ -209,6 +211,56 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
+    from fx_precision.tools.compare_sides import SideConfig
+
+    if args.world_size < 0:
+        raise PrecisionError(f"--world-size {args.world_size}: use 0 (one process, no FSDP2) or a number of gloo ranks")
+    return SideConfig(_census_config(args), world_size=args.world_size, compiled=getattr(args, "compiled", False), inputs=inputs)
+
+
+def cmd_dump(args: argparse.Namespace) -> int:
+    from fx_precision.tools.compare_sides import dump_on_ranks, train_dump
+
+    side = _side_config(args, inputs=args.inputs)
+    if side.world_size > 0:
+        dumps = dump_on_ranks(side, args.out)
+    else:
+        dumps = [train_dump(side)]
+        dumps[0].save(args.out)
+    data = {"out": args.out, "ranks": len(dumps), "records": len(dumps[0].records), "calls": len(dumps[0].calls), "source": dumps[0].source}
+    _emit(
+        args,
+        data,
+        lambda: f"wrote {args.out}: {len(dumps)} rank(s), {data['records']} tensors of {data['calls']} module calls ({data['source']})",
+    )
+    return 0
+
+
+def cmd_compare(args: argparse.Namespace) -> int:
+    from fx_precision.compare import compare
+    from fx_precision.tools.compare_sides import describe, rollout_dump, train_dump
+
+    if args.dumps and len(args.dumps) != 2:
+        raise PrecisionError(
+            f"compare takes two dump directories (A B), or none with --model for the built-in sides; got {len(args.dumps)}"
+        )
+    if args.dumps:
+        a: Any = args.dumps[0]
+        b: Any = args.dumps[1]
+        head = f"a: {a}\nb: {b}"
+    else:
+        side = _side_config(args)
+        a, b = train_dump(side), rollout_dump(args.rollout, side)
+        head = f"{args.model}; both sides: the same token ids, fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}"
+    result = compare(a, b, fqn_map=args.map)
+    _emit(args, {"a": describe(a), "b": describe(b), **result.to_dict()}, lambda: f"{head}\n\n{result.render()}")
+    if args.fail_above is not None and result.logprob is not None and result.logprob["max"] > args.fail_above:
+        print(f"log-prob |delta| max {result.logprob['max']:.3g} > --fail-above {args.fail_above}", file=sys.stderr)
+        return 1
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="fx-precision",
@@ -275,6 +327,39 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(p)
     p.add_argument("--no-census", action="store_true", help="skip the FSDP2 census (no gloo rank)")
     p.set_defaults(handler=cmd_sweep)
+
+    p = sub.add_parser(
+        "dump",
+        help="record every module call's outputs (inputs with --inputs) of one forward under a policy, to a directory",
+        description="Builds --model (fp32 masters rounded to bf16), runs one forward under the policy (--gather, --compute, --rules; "
+        "--world-size N: FSDP2 on N gloo ranks, each writing OUT/rank<r>) and writes the dump: manifest.json and tensors/.",
+    )
+    _add_model_args(p)
+    _add_policy_args(p)
+    _add_batch_args(p)
+    p.add_argument("--out", required=True, metavar="DIR", help="dump directory (created)")
+    p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
+    p.add_argument("--world-size", type=int, default=0, help="0: one process, no FSDP2 (default); N: FSDP2 on N gloo ranks")
+    p.set_defaults(handler=cmd_dump)
+
+    p = sub.add_parser(
+        "compare",
+        help="where two forwards part: the first origin module and op, per-token log-prob |delta|, K3 KL",
+        description="Compares two dumps (A B), or the built-in sides: --model under a training policy (side a) against "
+        "--rollout bf16 (the same weights in bf16, eager, no autocast: a stand-in for an inference engine) or a dump directory. "
+        "Exit 1 with --fail-above X when the max per-token log-prob |delta| exceeds X.",
+    )
+    p.add_argument("dumps", nargs="*", metavar="DIR", help="two dump directories; none: the built-in sides")
+    _add_model_args(p)
+    _add_policy_args(p)
+    _add_batch_args(p)
+    p.set_defaults(batch=2, seq_len=32)
+    p.add_argument("--rollout", default="bf16", help="'bf16' (the stand-in) or a dump directory (default bf16)")
+    p.add_argument("--world-size", type=int, default=0, help="train side: 0 one process (default), N: FSDP2 on N gloo ranks")
+    p.add_argument("--compiled", action="store_true", help="train side compiled with precision_backend (records the logits only)")
+    p.add_argument("--map", default="", help="FQN renames, side a=side b, globs: 'self_attn=attn; model.layers.*=layers.*'")
+    p.add_argument("--fail-above", type=float, default=None, metavar="X", help="exit 1 when the max log-prob |delta| exceeds X")
+    p.set_defaults(handler=cmd_compare)
 
     p = sub.add_parser(
         "demo",

@@ -1,0 +1,472 @@
+"""The train-vs-rollout comparator: where two forwards of one model part, module by module and op by op.
+
+    compare(a, b)                    a, b: dump directories, Dumps, or in-process Sides
+    ├── align calls by (FQN, call)   b's FQNs renamed by fqn_map ("self_attn=attn", globs); one-sided calls listed
+    ├── per tensor pair              dtypes, shapes, rel diff 1 - 2<x,y>/(|x|^2+|y|^2) in fp64, max / mean |x-y|,
+    │                                the same at the narrower dtype when dtypes differ, bitwise, band
+    ├── origins                      calls whose inputs match bitwise and whose output does not, and no call inside them
+    │                                does the same: a call whose inputs already differ *inherits* the divergence
+    ├── first_op                     the first origin run again alone on its recorded inputs, on both sides,
+    │                                under a TorchDispatchMode: the first aten op whose output differs, aligned
+    │                                by op sequence (autocast's inserted _to_copy casts ignored; they appear on
+    │                                one side only), with the autocast rule that explains it
+    └── logprob                      from the root's logits and token ids: per-token log-prob |delta| max and
+                                     mean, the K3 estimate of KL, the share of bitwise-equal log-probs
+
+Bands of the relative difference: identical (the same values; ``bitwise`` says whether the dtypes
+and bytes are the same too), equivalent (<= 1e-5), minor (<= 1e-3), large (<= 1e-1), severe. The
+measure is quadratic in the error: one bf16 rounding step scores about 1e-5. Origins therefore
+ask for the same values, not a band: true on-policy's target is bitwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import difflib
+import os
+import re
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
+
+from fx_precision.dtypes import dtype_name, parse_dtype
+from fx_precision.dump import Dump, DumpRecorder, Record, load_dump
+from fx_precision.errors import PrecisionError
+from fx_precision.module_graph import module_label
+
+BANDS = (("identical", 0.0), ("equivalent", 1e-5), ("minor", 1e-3), ("large", 1e-1), ("severe", float("inf")))
+MATCHING = ("identical",)  # for origins: "match" is bitwise (true on-policy's target), anything else differs
+
+
+def band_of(rel_diff: float, bitwise: bool) -> str:
+    if bitwise:
+        return "identical"
+    for name, limit in BANDS[1:]:
+        if rel_diff <= limit:
+            return name
+    return "severe"
+
+
+@dataclass
+class Side:
+    """An in-process side: ``model(*args, **kwargs)`` under ``context()`` (e.g. an autocast), recorded
+    with inputs and replays, so origins and the op-level drill-down are available."""
+
+    model: nn.Module
+    args: tuple[Any, ...] = ()
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext
+    name: str = ""
+
+    def record(self) -> Dump:
+        with torch.no_grad(), self.context(), DumpRecorder(self.model, inputs=True, replay=True) as recorder:
+            self.model(*self.args, **self.kwargs)
+        recorder.dump.source = self.name or type(self.model).__name__
+        return recorder.dump
+
+
+@dataclass(frozen=True)
+class TensorDiff:
+    fqn: str
+    call: int
+    io: str
+    path: str
+    dtype_a: str
+    dtype_b: str
+    shape_a: tuple[int, ...]
+    shape_b: tuple[int, ...]
+    rel_diff: float
+    max_abs: float
+    mean_abs: float
+    rel_diff_narrow: float | None
+    bitwise: bool
+    band: str
+
+
+def tensor_diff(a: Record, b: Record) -> TensorDiff:
+    x, y = a.tensor, b.tensor
+    assert x is not None and y is not None
+    common = {"fqn": a.fqn, "call": a.call, "io": a.io, "path": a.path, "dtype_a": a.dtype, "dtype_b": b.dtype}
+    common |= {"shape_a": a.shape, "shape_b": b.shape}
+    if x.shape != y.shape:
+        inf = float("inf")
+        return TensorDiff(**common, rel_diff=inf, max_abs=inf, mean_abs=inf, rel_diff_narrow=None, bitwise=False, band="severe")
+    if not (x.is_floating_point() and y.is_floating_point()):
+        same = bool(torch.equal(x, y))
+        band = "identical" if same else "severe"
+        return TensorDiff(**common, rel_diff=float(not same), max_abs=0.0, mean_abs=0.0, rel_diff_narrow=None, bitwise=same, band=band)
+    x64, y64 = x.double(), y.double()
+    rel = _rel(x64, y64)
+    delta = (x64 - y64).abs()
+    narrow = None
+    if x.dtype != y.dtype:
+        low = x.dtype if x.dtype.itemsize < y.dtype.itemsize else y.dtype
+        narrow = _rel(x.to(low).double(), y.to(low).double())
+    bitwise = x.dtype == y.dtype and bool(torch.equal(x, y))
+    same_values = bitwise or bool(torch.equal(x64, y64))  # fp32 and bf16 holding the very same numbers
+    return TensorDiff(
+        **common,
+        rel_diff=rel,
+        max_abs=float(delta.max()) if delta.numel() else 0.0,
+        mean_abs=float(delta.mean()) if delta.numel() else 0.0,
+        rel_diff_narrow=narrow,
+        bitwise=bitwise,
+        band=band_of(rel, same_values),
+    )
+
+
+def _rel(x: torch.Tensor, y: torch.Tensor) -> float:
+    denominator = float((x * x).sum() + (y * y).sum())
+    if denominator == 0.0:
+        return 0.0
+    return max(0.0, 1.0 - 2.0 * float((x * y).sum()) / denominator)
+
+
+@dataclass
+class CallDiff:
+    fqn: str
+    call: int
+    start: int
+    inputs_match: bool | None  # None: this side pair has no recorded inputs for the call
+    output_band: str
+    worst_output: TensorDiff | None
+    origin: bool = False
+
+
+@dataclass
+class OpDiff:
+    """The first aten op of an origin whose output differs, on both sides."""
+
+    module: str
+    index: int
+    op_a: str
+    op_b: str
+    dtype_a: str
+    dtype_b: str
+    rel_diff: float
+    explanation: str
+
+
+@dataclass
+class Comparison:
+    pairs: list[TensorDiff]
+    calls: list[CallDiff]
+    only_a: list[tuple[str, int, str, str]]
+    only_b: list[tuple[str, int, str, str]]
+    first_op: OpDiff | None = None
+    logprob: dict[str, float] | None = None
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def origins(self) -> list[CallDiff]:
+        return [c for c in self.calls if c.origin]
+
+    @property
+    def first_origin(self) -> CallDiff | None:
+        return self.origins[0] if self.origins else None
+
+    @property
+    def first_differing(self) -> CallDiff | None:
+        return next((c for c in self.calls if c.output_band not in MATCHING), None)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "version": 1,
+            "logprob": self.logprob,
+            "first_origin": asdict(self.first_origin) if self.first_origin else None,
+            "first_op": asdict(self.first_op) if self.first_op else None,
+            "origins": [asdict(c) for c in self.origins],
+            "first_differing": asdict(self.first_differing) if self.first_differing else None,
+            "calls": [asdict(c) for c in self.calls],
+            "pairs": [asdict(p) for p in self.pairs],
+            "only_a": [list(k) for k in self.only_a],
+            "only_b": [list(k) for k in self.only_b],
+            "notes": self.notes,
+        }
+
+    def render(self, top: int = 12) -> str:
+        from tabulate import tabulate
+
+        lines = []
+        if self.logprob:
+            lp = self.logprob
+            lines.append(
+                f"log-prob |delta|: max {lp['max']:.3g}, mean {lp['mean']:.3g}; K3 KL {lp['k3_kl']:.3g}; "
+                f"bitwise-equal tokens {lp['bitwise_share']:.1%} of {int(lp['tokens'])}"
+            )
+        first = self.first_differing
+        lines.append(f"first differing module: {module_label(first.fqn) if first else 'none'}")
+        origin = self.first_origin
+        lines.append(
+            f"first origin (inputs match, output differs): {module_label(origin.fqn) + f' (call {origin.call})' if origin else 'none'}"
+        )
+        if self.first_op:
+            op = self.first_op
+            where = f"#{op.index} " if op.index >= 0 else "a cast: "
+            lines.append(f"first differing op in it: {where}{op.op_a} ({op.dtype_a}) vs {op.op_b} ({op.dtype_b}); {op.explanation}")
+        rows = [
+            [
+                module_label(c.fqn),
+                c.call,
+                {True: "match", False: "differ", None: "-"}[c.inputs_match],
+                c.output_band,
+                f"{c.worst_output.rel_diff:.2e}" if c.worst_output else "-",
+                f"{c.worst_output.dtype_a}/{c.worst_output.dtype_b}" if c.worst_output else "-",
+                "ORIGIN" if c.origin else ("inherited" if c.output_band not in MATCHING else ""),
+            ]
+            for c in self.calls
+            if c.output_band not in MATCHING
+        ][:top]
+        if rows:
+            headers = ["module (completion order)", "call", "inputs", "output band", "rel diff", "dtypes a/b", ""]
+            lines.append("\n" + tabulate(rows, headers=headers))
+        if self.only_a or self.only_b:
+            lines.append(f"\non one side only: {len(self.only_a)} tensor(s) in a, {len(self.only_b)} in b")
+        lines.extend(self.notes)
+        return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------------------------
+# FQN maps
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_fqn_map(text: str | dict[str, str] | None) -> list[tuple[str, str]]:
+    """``"self_attn=attn; model.layers.*=layers.*"`` -> [(a pattern, b pattern)]."""
+    if not text:
+        return []
+    if isinstance(text, dict):
+        return list(text.items())
+    pairs = []
+    for part in re.split(r"[;,]", text):
+        if not part.strip():
+            continue
+        if part.count("=") != 1:
+            raise PrecisionError(f"FQN map entry {part.strip()!r}: expected A_NAME=B_NAME (a segment or a glob, e.g. self_attn=attn)")
+        a, b = (s.strip() for s in part.split("="))
+        if not a or not b:
+            raise PrecisionError(f"FQN map entry {part.strip()!r}: both sides need a name")
+        pairs.append((a, b))
+    return pairs
+
+
+def _pattern(glob: str) -> re.Pattern[str]:
+    body = re.escape(glob).replace(r"\*", r"([^.]+)")
+    return re.compile(rf"(^|.+\.){body}(\..+|$)")
+
+
+def rename(fqn: str, mapping: list[tuple[str, str]]) -> str:
+    """Side b's FQN in side a's names: each (a, b) rewrites the segments matching b into a."""
+    for a, b in mapping:
+        match = _pattern(b).match(fqn)
+        if match:
+            captured = iter(match.groups()[1:-1])
+            a_text = "".join(next(captured, "*") if piece == "*" else piece for piece in re.split(r"(\*)", a))
+            fqn = f"{match.group(1)}{a_text}{match.groups()[-1]}"
+    return fqn
+
+
+# ---------------------------------------------------------------------------------------------
+# comparison
+# ---------------------------------------------------------------------------------------------
+
+
+def _as_dump(side: Any, label: str) -> Dump:
+    if isinstance(side, Dump):
+        return side
+    if isinstance(side, Side):
+        return side.record()
+    if isinstance(side, (str, os.PathLike)):
+        loaded = load_dump(side)
+        if isinstance(loaded, dict):
+            raise PrecisionError(
+                f"side {label}: {side} holds one dump per rank ({', '.join(f'rank{r}' for r in loaded)}); compare one rank "
+                f"directory, e.g. {os.path.join(str(side), 'rank0')}"
+            )
+        return loaded
+    raise PrecisionError(f"side {label}: a dump directory, a Dump or an fx_precision.Side, got {type(side).__name__}")
+
+
+def compare(a: Any, b: Any, *, fqn_map: str | dict[str, str] | None = None, drill_down: bool = True) -> Comparison:
+    """Compare two forwards (see the module docstring). ``fqn_map`` renames side b's modules."""
+    da, db = _as_dump(a, "a"), _as_dump(b, "b")
+    mapping = parse_fqn_map(fqn_map)
+    if mapping:
+        names_b = {r.fqn for r in db.records}
+        for pa, pb in mapping:
+            if not any(_pattern(pb).match(n) for n in names_b):
+                raise PrecisionError(f"FQN map {pa}={pb}: {pb!r} matches no module of side b ({db.source}); check the names")
+        for record in db.records:
+            record.fqn = rename(record.fqn, mapping)
+        db.calls = [type(c)(rename(c.fqn, mapping), c.call, c.start, c.end) for c in db.calls]
+        db.replays = {(rename(f, mapping), c): v for (f, c), v in db.replays.items()}
+    by_a = {r.key: r for r in da.records}
+    by_b = {r.key: r for r in db.records}
+    pairs = [tensor_diff(by_a[k], by_b[k]) for k in by_a if k in by_b]
+    result = Comparison(pairs, [], [k for k in by_a if k not in by_b], [k for k in by_b if k not in by_a])
+    _judge_calls(result, da, db)
+    if not (da.inputs and db.inputs):
+        result.notes.append("inputs were not recorded on both sides: origins need them (dump with inputs=True / --inputs)")
+    if drill_down and result.first_origin is not None:
+        result.first_op = _drill_down(result.first_origin, da, db)
+    result.logprob = logprob_metrics(da, db)
+    return result
+
+
+def _judge_calls(result: Comparison, da: Dump, db: Dump) -> None:
+    per_call: dict[tuple[str, int], list[TensorDiff]] = {}
+    for diff in result.pairs:
+        per_call.setdefault((diff.fqn, diff.call), []).append(diff)
+    spans = {(c.fqn, c.call): c for c in da.calls}
+    order = sorted(spans.values(), key=lambda c: c.end)  # execution order: a call when it completes (children first)
+    band_rank = {name: i for i, (name, _) in enumerate(BANDS)}
+    for info in order:
+        diffs = per_call.get((info.fqn, info.call), [])
+        outputs = [d for d in diffs if d.io == "out"]
+        inputs = [d for d in diffs if d.io == "in"]
+        worst = max(outputs, key=lambda d: (band_rank[d.band], d.rel_diff), default=None)
+        recorded = (da.inputs and db.inputs) or info.fqn == ""
+        match = all(d.band in MATCHING for d in inputs) if recorded else None
+        result.calls.append(CallDiff(info.fqn, info.call, info.start, match, worst.band if worst else "identical", worst))
+    candidates = [c for c in result.calls if c.inputs_match and c.output_band not in MATCHING]
+    for call in candidates:
+        span = spans[(call.fqn, call.call)]
+        inside = [
+            o for o in candidates if o is not call and span.start < spans[(o.fqn, o.call)].start and spans[(o.fqn, o.call)].end < span.end
+        ]
+        call.origin = not inside  # the innermost: a divergence its children already explain is not its own
+
+
+# ---------------------------------------------------------------------------------------------
+# op-level drill-down
+# ---------------------------------------------------------------------------------------------
+
+_IGNORED = re.compile(r"^aten\.(_to_copy|to|detach|alias|lift_fresh|_local_scalar_dense)\b")
+
+
+class _OpRecorder(TorchDispatchMode):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ops: list[tuple[str, list[torch.Tensor]]] = []
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
+        out = func(*args, **(kwargs or {}))
+        tensors = [t.detach().clone() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
+        self.ops.append((str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func), tensors))
+        return out
+
+
+def _clone(value: Any) -> Any:
+    return value.clone() if isinstance(value, torch.Tensor) else value
+
+
+def _run_alone(dump: Dump, key: tuple[str, int]) -> list[tuple[str, list[torch.Tensor]]]:
+    """The module of ``key`` run again alone on its recorded arguments, under the dump's autocast state."""
+    module, args, kwargs = dump.replays[key]
+    ctx = torch.autocast(dump.device_type, dtype=parse_dtype(dump.autocast)) if dump.autocast else contextlib.nullcontext()
+    args, kwargs = tree_map(_clone, args), tree_map(_clone, kwargs)  # outside the mode: not one of the module's ops
+    recorder = _OpRecorder()
+    with torch.no_grad(), ctx, recorder:
+        module(*args, **kwargs)
+    return [(f"aten.{name}", ts) for name, ts in recorder.ops]
+
+
+def _drill_down(origin: CallDiff, da: Dump, db: Dump) -> OpDiff | None:
+    key = (origin.fqn, origin.call)
+    if key not in da.replays or key not in db.replays:
+        return None
+    ops_a, ops_b = _run_alone(da, key), _run_alone(db, key)
+    auto_a, auto_b = da.autocast is not None, db.autocast is not None
+    kept_a = [op for op in ops_a if not _IGNORED.match(op[0])]
+    kept_b = [op for op in ops_b if not _IGNORED.match(op[0])]
+    matcher = difflib.SequenceMatcher(a=[op[0] for op in kept_a], b=[op[0] for op in kept_b], autojunk=False)
+    for block in matcher.get_matching_blocks():
+        for k in range(block.size):
+            (name_a, outs_a), (name_b, outs_b) = kept_a[block.a + k], kept_b[block.b + k]
+            for x, y in zip(outs_a, outs_b, strict=False):
+                if x.shape != y.shape:
+                    continue
+                low = x.dtype if x.dtype.itemsize <= y.dtype.itemsize else y.dtype
+                if torch.equal(x.to(low), y.to(low)):
+                    continue
+                rel = _rel(x.double(), y.double())
+                explanation = _explain(name_a, x.dtype, y.dtype, auto_a, auto_b)
+                dtypes = dtype_name(x.dtype), dtype_name(y.dtype)
+                return OpDiff(module_label(origin.fqn), block.a + k, name_a, name_b, *dtypes, rel, explanation)
+    return _one_sided_cast(origin, ops_a, ops_b)
+
+
+def _one_sided_cast(origin: CallDiff, ops_a: list[Any], ops_b: list[Any]) -> OpDiff | None:
+    """No aligned op differs: the difference is a cast that runs on one side only (``cos.to(x.dtype)``
+    is a no-op where ``x`` is fp32 and a rounding where it is bf16)."""
+    casts_a = [(name, outs) for name, outs in ops_a if _IGNORED.match(name) and outs]
+    casts_b = [(name, outs) for name, outs in ops_b if _IGNORED.match(name) and outs]
+    dtypes_a = [dtype_name(o[0].dtype) for _, o in casts_a]
+    dtypes_b = [dtype_name(o[0].dtype) for _, o in casts_b]
+    if dtypes_a == dtypes_b:
+        return None
+    return OpDiff(
+        module_label(origin.fqn),
+        -1,
+        casts_a[0][0] if casts_a else "-",
+        casts_b[0][0] if casts_b else "-",
+        ",".join(dtypes_a) or "-",
+        ",".join(dtypes_b) or "-",
+        float("nan"),
+        f"the ops agree; the casts do not: side a casts to [{', '.join(dtypes_a)}], side b to [{', '.join(dtypes_b)}] "
+        "(a cast that follows another tensor's dtype rounds on one side only)",
+    )
+
+
+def _explain(op: str, dtype_a: torch.dtype, dtype_b: torch.dtype, autocast_a: bool, autocast_b: bool) -> str:
+    short = op.removeprefix("aten.")
+    if dtype_a != dtype_b:
+        if autocast_a and not autocast_b:
+            return f"autocast runs `{short}` in {dtype_name(dtype_a)} on side a; side b runs it in {dtype_name(dtype_b)}"
+        if autocast_b and not autocast_a:
+            return f"autocast runs `{short}` in {dtype_name(dtype_b)} on side b; side a runs it in {dtype_name(dtype_a)}"
+        return f"side a runs `{short}` in {dtype_name(dtype_a)}, side b in {dtype_name(dtype_b)}"
+    return f"`{short}` runs in {dtype_name(dtype_a)} on both sides; its inputs already differ by rounding inside the module"
+
+
+# ---------------------------------------------------------------------------------------------
+# log-prob metrics
+# ---------------------------------------------------------------------------------------------
+
+
+def _root_logits_and_ids(dump: Dump) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    logits = ids = None
+    for record in dump.records:
+        if record.fqn != "" or record.call != 0:
+            continue
+        if record.io == "out" and record.path in ("out", "out.logits", "out[0]") and logits is None:
+            logits = record.tensor
+        if record.io == "in" and record.tensor is not None and not record.tensor.is_floating_point() and ids is None:
+            ids = record.tensor
+    return logits, ids
+
+
+def logprob_metrics(da: Dump, db: Dump) -> dict[str, float] | None:
+    """Per-token log-prob of the next token, side a vs side b: |delta| max and mean, K3 KL, bitwise share."""
+    logits_a, ids = _root_logits_and_ids(da)
+    logits_b, _ = _root_logits_and_ids(db)
+    if logits_a is None or logits_b is None or ids is None or logits_a.shape != logits_b.shape or logits_a.dim() != 3:
+        return None
+    target = ids[:, 1:].long()
+    lp_a = torch.log_softmax(logits_a[:, :-1].double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    lp_b = torch.log_softmax(logits_b[:, :-1].double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
+    delta = (lp_a - lp_b).abs()
+    log_ratio = lp_b - lp_a
+    k3 = (log_ratio.exp() - 1) - log_ratio  # Schulman's K3 estimate of KL(a || b) on a's tokens
+    return {
+        "max": float(delta.max()),
+        "mean": float(delta.mean()),
+        "k3_kl": float(k3.mean()),
+        "bitwise_share": float((lp_a == lp_b).double().mean()),
+        "tokens": float(delta.numel()),
+    }
