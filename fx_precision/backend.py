@@ -29,6 +29,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
+from fx_precision.passes.annotate import param_names
 from fx_precision.passes.findings import Finding
 from fx_precision.passes.fixed_point import fix_to_fixed_point
 from fx_precision.passes.gather_emulation import InsertedCast
@@ -116,9 +117,15 @@ class GraphReport:
 def _inner_compiler(inner: str | Callable[..., Any]) -> Callable[..., Any]:
     if callable(inner):
         return inner
-    from torch._dynamo import lookup_backend
+    from torch._dynamo import list_backends, lookup_backend
+    from torch._dynamo.exc import InvalidBackend
 
-    return lookup_backend(inner)
+    try:
+        return lookup_backend(inner)
+    except InvalidBackend:
+        raise PrecisionError(
+            f"inner={inner!r} is not a Dynamo backend; known: {', '.join(sorted(list_backends(exclude_tags=())))}, or pass a callable"
+        ) from None
 
 
 class PrecisionBackend:
@@ -139,22 +146,40 @@ class PrecisionBackend:
         self.inner = inner
         self.mode = mode
         self.strict = strict
+        if not callable(inner) and not isinstance(inner, str):
+            raise PrecisionError(
+                f"make_precision_backend(inner={inner!r}): pass a Dynamo backend name ('inductor', 'aot_eager') or a callable"
+            )
+        _inner_compiler(inner)  # an unknown name fails here, before any graph is compiled
         self.units = UnitIndex.from_plan(plan) if plan is not None else UnitIndex.from_units({"": None})
         self.reports: list[GraphReport] = []
 
-    def _compute(self, device_type: str) -> torch.dtype | None:
-        if self.policy is not None:
-            return self.policy.compute
-        return ambient_compute([device_type])[0]
+    def _compute(self, device_type: str) -> tuple[torch.dtype | None, str]:
+        """The compute dtype the graph was traced under (the ambient autocast), and a note when the
+        policy names another: the pass never enforces a compute dtype that did not run."""
+        ambient = ambient_compute([device_type])[0]
+        wanted = self.policy.compute if self.policy is not None else None
+        if wanted is None or ambient == wanted:
+            return ambient, ""
+        if ambient is None:
+            return None, (
+                f"the policy's compute is {dtype_name(wanted)} but this graph was traced without autocast: nothing enforced "
+                "(run the compiled model under policy.forward_context())"
+            )
+        return ambient, f"the policy's compute is {dtype_name(wanted)} but the graph was traced under {dtype_name(ambient)} autocast"
 
     def __call__(self, gm: fx.GraphModule, example_inputs: list[Any]) -> Any:
         start = time.perf_counter()
         device_type = graph_device_type(gm)
-        compute = self._compute(device_type)
-        report = GraphReport(len(self.reports), self.mode, compute)
+        compute, note = self._compute(device_type)
+        report = GraphReport(len(self.reports), self.mode, compute, note=note)
         self.reports.append(report)
+        if self.plan is not None:
+            self._check_plan_covers(gm, example_inputs)
         if self.mode == "off" or (compute is None and self.plan is None):
-            report.note = "pass off" if self.mode == "off" else "no autocast and no plan: nothing to enforce"
+            report.note = "; ".join(
+                filter(None, [report.note, "pass off" if self.mode == "off" else "no autocast and no plan: nothing to enforce"])
+            )
         elif self.mode == "lint":
             analysis = self._analyse(copy_graph_module(gm), example_inputs, compute, report.index, device_type)
             report.before = report.after = analysis.findings
@@ -168,6 +193,16 @@ class PrecisionBackend:
         if log.isEnabledFor(logging.INFO):
             log.info(report.summary())
         return compiled
+
+    def _check_plan_covers(self, gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+        """Every parameter this graph reads is in the plan: a plan of another model would emulate
+        gathers, and attribute units, that belong to nothing here."""
+        for fqn, kind in param_names(gm, example_inputs, None).values():
+            if kind == "parameter" and self.units.param(fqn) is None:
+                raise PrecisionError(
+                    f"precision_backend: the graph reads parameter {fqn!r}, which the backend's plan does not hold; the plan "
+                    "belongs to another model. Compile the plan for this model (compile_precision / policy.plan)"
+                )
 
     def _analyse(
         self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str, emulate: bool = True

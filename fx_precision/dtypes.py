@@ -59,3 +59,16 @@ def parse_dtype(name: str | torch.dtype, *, what: str = "dtype") -> torch.dtype:
 def is_analysed_float(dtype: torch.dtype) -> bool:
     """Floating dtypes the precision contract speaks about (not float8, not complex)."""
     return dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+AXIS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)  # master, gather, reduce
+COMPUTE_DTYPES = (torch.bfloat16, torch.float16)  # what torch.autocast runs; at fp32 or fp64 it disables itself
+
+
+def axis_dtype(value: str | torch.dtype, what: str, allowed: tuple[torch.dtype, ...] = AXIS_DTYPES) -> torch.dtype:
+    """``value`` as a dtype of a precision axis, or a ``PrecisionError`` naming ``what`` and listing ``allowed``."""
+    dtype = parse_dtype(value, what=what)
+    if dtype not in allowed:
+        names = ", ".join(dtype_name(d) for d in allowed)
+        raise PrecisionError(f"{what}={dtype_name(dtype)}: this axis takes {names}")
+    return dtype

@@ -17,7 +17,12 @@ class RuleSyntaxError(PrecisionError):
 
     def __init__(self, text: str, column: int, expected: str) -> None:
         self.text = text
-        self.column = column
+        self.column = column  # 1-based, over the whole text
         self.expected = expected
-        pointer = " " * (column - 1) + "^"
-        super().__init__(f"rule text, column {column}: expected {expected}\n  {text}\n  {pointer}")
+        before = text[: column - 1]
+        self.line = before.count("\n") + 1
+        self.line_column = column - (before.rfind("\n") + 1)
+        shown = text.split("\n")[self.line - 1]
+        where = f"line {self.line}, column {self.line_column}" if "\n" in text else f"column {column}"
+        pointer = " " * (self.line_column - 1) + "^"
+        super().__init__(f"rule text, {where}: expected {expected}\n  {shown}\n  {pointer}")

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fx_precision.dtypes import axis_dtype
 from fx_precision.errors import PrecisionError
 from fx_precision.plan import PrecisionPlan, check_plan_matches, unit_label
 
@@ -40,10 +41,29 @@ def layer_wrap_globs(model: nn.Module) -> list[str]:
     return [f"{best[1]}.*"] if best else []
 
 
-def _check_applicable(model: nn.Module, plan: PrecisionPlan) -> None:
-    """The plan belongs to the model (``check_plan_matches``), and the model is plain: no module
-    already sharded, no DTensor or meta parameter."""
+def _check_mesh(mesh: Any) -> None:
+    """A 1-D ``DeviceMesh`` (FSDP), a 2-D one (HSDP: replicate x shard), or None with a default process group."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if mesh is None:
+        if not (dist.is_available() and dist.is_initialized()):
+            raise PrecisionError(
+                "apply_fsdp2(mesh=None) uses the default process group, and none is initialised; call "
+                "torch.distributed.init_process_group (torchrun does) or pass mesh=init_device_mesh(...)"
+            )
+        return
+    if not isinstance(mesh, DeviceMesh):
+        raise PrecisionError(f"apply_fsdp2(mesh={mesh!r}): pass a torch.distributed DeviceMesh (init_device_mesh) or None")
+    if mesh.ndim not in (1, 2):
+        raise PrecisionError(f"apply_fsdp2: a {mesh.ndim}-D mesh; FSDP2 takes 1-D (shard) or 2-D (HSDP: replicate x shard)")
+
+
+def _check_applicable(model: nn.Module, plan: PrecisionPlan, mesh: Any) -> None:
+    """The plan belongs to the model (``check_plan_matches``), the mesh is usable, and the model is
+    plain: no module already sharded, no DTensor or meta parameter."""
     check_plan_matches(plan, model)
+    _check_mesh(mesh)
     fsdp = _fsdp()
     for fqn, module in model.named_modules():
         if isinstance(module, fsdp.FSDPModule):
@@ -73,9 +93,8 @@ def apply_fsdp2(
     reads back what was applied.
     """
     fsdp = _fsdp()
-    _check_applicable(model, plan)
-    if not reduce_dtype.is_floating_point:
-        raise PrecisionError(f"reduce_dtype={reduce_dtype} is not a floating dtype; use fp32 or bf16")
+    _check_applicable(model, plan, mesh)
+    reduce_dtype = axis_dtype(reduce_dtype, "apply_fsdp2 reduce_dtype")
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
     # -- everything below mutates; everything above only validated ----------------------------

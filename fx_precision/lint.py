@@ -32,7 +32,7 @@ from fx_precision.passes.findings import Finding
 from fx_precision.passes.fixed_point import fix_to_fixed_point
 from fx_precision.passes.kinds import Severity, severity_rank
 from fx_precision.passes.units import UnitIndex
-from fx_precision.plan import PrecisionPlan
+from fx_precision.plan import PrecisionPlan, check_plan_matches
 from fx_precision.policy import PrecisionPolicy
 
 LINT_JSON_VERSION = 1
@@ -195,6 +195,15 @@ def lint(
     meta model ``cpu`` unless an ambient ``cuda`` autocast says otherwise). Works on real
     tensors, meta-device models and fake tensors.
     """
+    if device_type is not None and device_type not in ("cpu", "cuda"):
+        raise PrecisionError(f"lint(device_type={device_type!r}): autocast op lists exist for 'cpu' and 'cuda'; pass one of them")
+    if device_type == "cuda" and not torch.cuda.is_available():
+        raise PrecisionError(
+            "lint(device_type='cuda'): this torch sees no CUDA device, so cuda autocast would be off and every node fp32; "
+            "lint on a GPU machine, or lint the cpu op lists with device_type='cpu'"
+        )
+    if plan is not None:
+        check_plan_matches(plan, model)
     model_device = _device_type_of(model)
     if policy is not None:
         compute = policy.compute

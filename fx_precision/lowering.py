@@ -21,20 +21,12 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from fx_precision.dtypes import parse_dtype
-from fx_precision.errors import PrecisionError
+from fx_precision.dtypes import axis_dtype
 from fx_precision.module_graph import ModuleGraph, ParamInfo, collect_params
-from fx_precision.plan import AXIS_DTYPES, ParamPlan, PrecisionPlan
+from fx_precision.plan import ParamPlan, PrecisionPlan
 from fx_precision.selection import resolve_params, selected_aliases
 from fx_precision.spec import PrecisionSpec
 from fx_precision.unit_solver import solve_units
-
-
-def _axis(value: torch.dtype | str, what: str) -> torch.dtype:
-    dtype = parse_dtype(value, what=what)
-    if dtype not in AXIS_DTYPES:
-        raise PrecisionError(f"{what}={value!r}: a precision axis takes fp32, bf16 or fp16")
-    return dtype
 
 
 def compile_precision(
@@ -55,8 +47,8 @@ def compile_precision(
     explicit dtypes, or the root's own parameters need a non-default gather dtype.
     """
     spec = spec or PrecisionSpec()
-    default_gather = _axis(default_gather, "default_gather")
-    default_master = _axis(default_master, "default_master") if default_master is not None else None
+    default_gather = axis_dtype(default_gather, "default_gather")
+    default_master = axis_dtype(default_master, "default_master") if default_master is not None else None
     graph = ModuleGraph.of(model)
     infos = collect_params(graph)
     aliases: dict[str, ParamInfo] = {alias: info for info in infos.values() for alias in info.aliases}

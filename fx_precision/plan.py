@@ -30,7 +30,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
-from fx_precision.dtypes import dtype_name, parse_dtype
+from fx_precision.dtypes import AXIS_DTYPES, dtype_name, parse_dtype
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 
@@ -262,7 +262,6 @@ def _axis_dtype(name: Any, where: str) -> torch.dtype:
 
 
 UNIT_KINDS = ("root", "wrap", "precision", "group")
-AXIS_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
 def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
@@ -290,6 +289,8 @@ def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
     modules = {fqn for fqn, _ in model.named_modules()}
     seen: set[tuple[str, tuple[str, ...]]] = set()
     for unit in plan.units:
+        if unit.gather not in AXIS_DTYPES:
+            raise PrecisionError(f"plan unit {unit.label!r} gathers at {dtype_name(unit.gather)}; precision axes take fp32, bf16, fp16")
         if unit.kind not in UNIT_KINDS:
             raise PrecisionError(f"plan unit {unit.label!r} has unknown kind {unit.kind!r}; kinds: {', '.join(UNIT_KINDS)}")
         if (unit.fqn, unit.group) in seen:
@@ -306,6 +307,11 @@ def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
         )
     gathers = {u.fqn: u.gather for u in plan.units}
     for p in plan.params.values():
+        if p.gather not in AXIS_DTYPES or p.master not in AXIS_DTYPES:
+            raise PrecisionError(
+                f"plan parameter {p.fqn}: gather {dtype_name(p.gather)}, master {dtype_name(p.master)}; "
+                "precision axes take fp32, bf16, fp16"
+            )
         if p.unit not in gathers:
             raise PrecisionError(f"plan parameter {p.fqn} is claimed by {unit_label(p.unit)!r}, which is not a unit of the plan")
         if gathers[p.unit] != p.gather:

@@ -24,8 +24,7 @@ from torch import nn
 
 from fx_precision.archs import arch_rules
 from fx_precision.autocast import autocast_context
-from fx_precision.dtypes import dtype_name, parse_dtype
-from fx_precision.errors import PrecisionError
+from fx_precision.dtypes import AXIS_DTYPES, COMPUTE_DTYPES, axis_dtype, dtype_name
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import PrecisionSpec
@@ -45,10 +44,8 @@ class PrecisionPolicy:
             value = getattr(self, axis)
             if value is None and axis in ("master", "compute"):
                 continue
-            dtype = parse_dtype(value, what=f"PrecisionPolicy.{axis}")
-            if not dtype.is_floating_point:
-                raise PrecisionError(f"PrecisionPolicy.{axis}={value!r} is not a floating dtype; use fp32, bf16 or fp16")
-            object.__setattr__(self, axis, dtype)
+            allowed = COMPUTE_DTYPES if axis == "compute" else AXIS_DTYPES
+            object.__setattr__(self, axis, axis_dtype(value, f"PrecisionPolicy.{axis}", allowed))
         if self.cast_forward_inputs is None:
             object.__setattr__(self, "cast_forward_inputs", self.compute is None)
 

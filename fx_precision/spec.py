@@ -24,7 +24,7 @@ from typing import Final, Union
 
 import torch
 
-from fx_precision.dtypes import NAME_TO_DTYPE, dtype_name
+from fx_precision.dtypes import AXIS_DTYPES, NAME_TO_DTYPE, dtype_name
 from fx_precision.errors import PrecisionError, RuleSyntaxError
 
 
@@ -117,9 +117,9 @@ class Rule:
         for axis, value in (("gather", self.gather), ("master", self.master)):
             if value is None or value is DEFAULT:
                 continue
-            if not isinstance(value, torch.dtype) or not value.is_floating_point:
+            if not isinstance(value, torch.dtype) or value not in AXIS_DTYPES:
                 raise PrecisionError(
-                    f"rule {self.select.text()!r}: {axis}={value!r} is not a floating dtype; "
+                    f"rule {self.select.text()!r}: {axis}={value!r} is not a precision dtype; "
                     f"use one of {', '.join(NAME_TO_DTYPE)} or DEFAULT"
                 )
 

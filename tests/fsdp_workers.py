@@ -23,17 +23,28 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
-def wrapped_model(model_name: str, rules: str, compute: str | None, world_size: int, seed: int = 0) -> tuple[nn.Module, Any, Any]:
+def wrapped_model(
+    model_name: str, rules: str, compute: str | None, world_size: int, seed: int = 0, mesh: tuple[int, int] | None = None
+) -> tuple[nn.Module, Any, Any]:
     model = build_model(model_name, seed=seed)
     policy = resolve_policy(model, gather="fp32", compute=compute, spec=parse_precision_rules(rules))
     plan = policy.plan(model, wrap=layer_wrap_globs(model))
-    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size, mesh), cast_forward_inputs=bool(policy.cast_forward_inputs))
     return model, policy, plan
 
 
-def train_step(rank: int, world_size: int, model_name: str, rules: str, compute: str | None, ckpt_dir: str | None) -> dict[str, Any] | None:
-    """One fwd+bwd+SGD step on this rank's slice of a fixed batch; report dtypes, loss, grads, params."""
-    model, policy, plan = wrapped_model(model_name, rules, compute, world_size)
+def train_step(
+    rank: int,
+    world_size: int,
+    model_name: str,
+    rules: str,
+    compute: str | None,
+    ckpt_dir: str | None,
+    mesh: tuple[int, int] | None = None,
+) -> dict[str, Any] | None:
+    """One fwd+bwd+SGD step on this rank's slice of a fixed batch; report dtypes, loss, grads, params.
+    ``mesh=(R, S)``: HSDP on a 2-D mesh instead of FSDP on a 1-D one."""
+    model, policy, plan = wrapped_model(model_name, rules, compute, world_size, mesh=mesh)
     seen: dict[str, dict[str, torch.dtype]] = {}
 
     def record(fqn: str) -> Any:

@@ -160,3 +160,17 @@ def test_apply_rejects_a_plan_for_another_model_without_touching_it() -> None:
         apply_fsdp2(model, plan, mesh=None)
     assert {n: p.dtype for n, p in model.named_parameters()} == before
     assert all(type(p) is torch.nn.Parameter for p in model.parameters())
+
+
+def test_hsdp_on_a_2x2_mesh_gathers_as_planned_and_matches_the_1d_run() -> None:
+    """4 gloo ranks as 2 replicas x 2 shards: per-module gather dtypes as planned, fp32 masters and
+    gradients, and the gradients of the 1-D run over the same 4 ranks and data."""
+    rules = "*embed_tokens=bf16"
+    (hsdp,) = [r for r in run_on_ranks(fsdp_workers.train_step, 4, "toy-decoder", rules, None, None, (2, 2)) if r]
+    (flat,) = [r for r in run_on_ranks(fsdp_workers.train_step, 4, "toy-decoder", rules, None, None) if r]
+    _check_seen_matches_plan(hsdp)
+    assert hsdp["seen"]["model.embed_tokens"]["weight"] == torch.bfloat16
+    _check_master_and_grads_fp32(hsdp)
+    assert hsdp["loss"] == pytest.approx(flat["loss"], rel=1e-6)
+    for fqn, grad in flat["grads"].items():
+        torch.testing.assert_close(hsdp["grads"][fqn], grad, **_tol(hsdp["plan_gather"][fqn]), msg=f"grad {fqn}")

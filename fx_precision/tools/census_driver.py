@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fx_precision.census import Census, census
+from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
 from fx_precision.module_graph import module_label
 from fx_precision.policy import PrecisionPolicy, resolve_policy
@@ -39,6 +40,7 @@ class CensusConfig:
     seq_len: int = 16
     backward: bool = False
     seed: int = 0
+    mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards); None: a 1-D mesh over every rank
     plain_wrap: bool = False  # reference: plain per-layer fully_shard with MixedPrecisionPolicy(fp32, fp32)
 
     def policy(self, model: Any) -> PrecisionPolicy:
@@ -77,17 +79,26 @@ def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> l
         model = build_model(cfg.model, seed=cfg.seed)
         policy = cfg.policy(model)
         if cfg.plain_wrap:
-            plain_layer_wrap(model, cpu_mesh(world_size))
+            plain_layer_wrap(model, cpu_mesh(world_size, cfg.mesh))
             plan_units: list[str] = []
         else:
             plan = policy.plan(model, wrap=layer_wrap_globs(model))
             apply_fsdp2(
-                model, plan, mesh=cpu_mesh(world_size), reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs)
+                model,
+                plan,
+                mesh=cpu_mesh(world_size, cfg.mesh),
+                reduce_dtype=policy.reduce,
+                cast_forward_inputs=bool(policy.cast_forward_inputs),
             )
             plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in plan.units]
         ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
         with policy.forward_context("cpu"):
-            result = census(model, ids, backward=cfg.backward, **forward_kwargs(model))
+            try:
+                result = census(model, ids, backward=cfg.backward, **forward_kwargs(model))
+            except PrecisionError:
+                raise
+            except Exception as exc:  # the model's own forward: one line to the caller, not a rank traceback
+                raise PrecisionError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {exc}") from exc
         out.append({"config": asdict(cfg), "policy": policy.describe(), "units": plan_units, "census": result.to_dict()})
     return out
 

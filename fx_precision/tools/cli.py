@@ -21,15 +21,60 @@ import json
 import os
 import sys
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NoReturn
 
 from fx_precision.errors import PrecisionError
+from fx_precision.tools.zoo import MODEL_HELP
 
 if TYPE_CHECKING:
     from fx_precision.tools.census_driver import CensusConfig
 
 Handler = Callable[[argparse.Namespace], int]
 STDOUT = "-"
+
+
+class Parser(argparse.ArgumentParser):
+    """Argument errors follow the verbs' error convention: one line on stderr (with the usage), exit
+    2, and ``{"error": ...}`` on stdout when ``--json`` is on the command line."""
+
+    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+        if any(arg == "--json" or arg.startswith("--json=") for arg in sys.argv[1:] + list(_ARGV)):
+            print(json.dumps({"error": f"{self.prog}: {message}"}))
+        self.print_usage(sys.stderr)
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+_ARGV: list[str] = []
+
+
+def bounded_int(name: str, low: int, high: int | Callable[[], int], why: str = "") -> Callable[[str], int]:
+    """An argparse type: an integer in [low, high], or an error naming the limit (``why``: where it comes from)."""
+
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes an integer, got {text!r}") from None
+        top = high() if callable(high) else high
+        if not low <= value <= top:
+            raise argparse.ArgumentTypeError(f"{name} {value} is outside {low}..{top}{' (' + why + ')' if why else ''}")
+        return value
+
+    return parse
+
+
+def _max_ranks() -> int:
+    """Gloo ranks this machine can hold: one per core, and about 1 GiB of memory each."""
+    cores = os.cpu_count() or 1
+    try:
+        memory_gib = os.sysconf("SC_PHYS_PAGES") * os.sysconf("SC_PAGE_SIZE") / 2**30
+    except (ValueError, OSError, AttributeError):
+        memory_gib = float(cores)
+    return max(1, min(cores, int(memory_gib)))
+
+
+RANKS_WHY = "at most one gloo rank per core and per GiB of memory on this machine; under torchrun the launcher decides"
+MAX_TOKENS = 1 << 20
 
 
 def _add_json_arg(p: argparse.ArgumentParser) -> None:
@@ -58,14 +103,14 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--model",
         default="qwen3_5-tiny",
-        help="built-in name (qwen3_5-tiny, qwen3_5-4b-slice, qwen3_5-4b, toy-decoder) or package.module:factory",
+        help=MODEL_HELP,
     )
     p.add_argument("--rules", default="", help="precision rules, e.g. '*embed_tokens=bf16; cls:*RMSNorm=gather:fp32'")
     p.add_argument(
         "--wrap",
         action="append",
         default=None,
-        help="module-FQN glob whose outermost matches are FSDP2 units (repeatable; default: the decoder layers)",
+        help="module-FQN glob whose outermost matches are FSDP2 units (repeatable; default none: the root and precision units only)",
     )
     _add_json_arg(p)
 
@@ -105,14 +150,25 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
 
 
 def _add_batch_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--batch", type=int, default=2, help="synthetic batch size (token ids from a fixed seed)")
-    p.add_argument("--seq-len", type=int, default=16, help="synthetic sequence length")
+    p.add_argument("--batch", type=bounded_int("--batch", 1, 4096), default=2, help="synthetic batch size (token ids from a fixed seed)")
+    p.add_argument(
+        "--seq-len",
+        type=bounded_int("--seq-len", 1, MAX_TOKENS, "and at most the model's max_position_embeddings"),
+        default=16,
+        help="synthetic sequence length",
+    )
 
 
 def _census_config(args: argparse.Namespace) -> CensusConfig:
+    from fx_precision.dtypes import COMPUTE_DTYPES, axis_dtype
     from fx_precision.tools.census_driver import CensusConfig
 
     none = {"none", "None", ""}
+    axis_dtype(args.gather, "--gather")
+    if args.master not in none:
+        axis_dtype(args.master, "--master")
+    if args.compute not in none:
+        axis_dtype(args.compute, "--compute", COMPUTE_DTYPES)
     return CensusConfig(
         label="census",
         model=args.model,
@@ -125,7 +181,26 @@ def _census_config(args: argparse.Namespace) -> CensusConfig:
         batch=args.batch,
         seq_len=args.seq_len,
         backward=getattr(args, "backward", False),
+        mesh=_mesh(args),
     )
+
+
+def _mesh(args: argparse.Namespace) -> tuple[int, int] | None:
+    """``--mesh RxS`` (HSDP), checked against ``--world-size`` (which it sets when that was left alone)."""
+    from fx_precision.tools.distributed import parse_mesh
+
+    text = getattr(args, "mesh", None)
+    if not text:
+        return None
+    shape = parse_mesh(text)
+    ranks = shape[0] * shape[1]
+    if args.world_size in (0, 1):
+        args.world_size = ranks
+    if args.world_size != ranks:
+        raise PrecisionError(f"--mesh {text} is {ranks} ranks but --world-size is {args.world_size}; give one or make them agree")
+    if ranks > _max_ranks():
+        raise PrecisionError(f"--mesh {text} needs {ranks} ranks; this machine holds at most {_max_ranks()} ({RANKS_WHY})")
+    return shape
 
 
 def cmd_census(args: argparse.Namespace) -> int:
@@ -133,9 +208,12 @@ def cmd_census(args: argparse.Namespace) -> int:
 
     if args.wrap is not None:
         raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
+    from fx_precision.tools.distributed import launched
+
     ((cfg, policy, result),) = run_census([_census_config(args)], world_size=args.world_size)
-    data = {"model": cfg.model, "world_size": args.world_size, "policy": policy, **result.to_dict()}
-    _emit(args, data, lambda: f"{cfg.model} on {args.world_size} gloo rank(s); policy: {policy}\n{result.render(top=args.top)}")
+    ranks = int(os.environ["WORLD_SIZE"]) if launched() else args.world_size
+    data = {"model": cfg.model, "world_size": ranks, "launcher": launched(), "policy": policy, **result.to_dict()}
+    _emit(args, data, lambda: f"{cfg.model} on {ranks} gloo rank(s); policy: {policy}\n{result.render(top=args.top)}")
     return 0
 
 
@@ -163,15 +241,25 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_lint(args: argparse.Namespace) -> int:
     from fx_precision.lint import lint
-    from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
+    from fx_precision.tools.zoo import build_model, config_path, forward_kwargs, token_batch
 
     cfg: CensusConfig = _census_config(args)
-    meta = args.meta or args.model == "qwen3_5-4b"
+    if args.dot:
+        folder = os.path.dirname(os.path.abspath(args.dot))
+        if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+            raise PrecisionError(f"--dot {args.dot}: the folder {folder} does not exist or is not writable; create it or pick another path")
+    meta = args.meta or args.model == "qwen3_5-4b" or config_path(args.model) is not None
     model = build_model(args.model, device="meta" if meta else None)
     policy = cfg.policy(model)
     plan = policy.plan(model, wrap=args.wrap or ())
     ids = token_batch(model, batch=args.batch, seq_len=args.seq_len)
-    report = lint(model, ids, policy=policy, plan=plan, dynamic=args.dynamic, device_type=args.device_type, **forward_kwargs(model))
+    try:
+        report = lint(model, ids, policy=policy, plan=plan, dynamic=args.dynamic, device_type=args.device_type, **forward_kwargs(model))
+    except PrecisionError:
+        raise
+    except Exception as exc:  # the model's own forward failed while Dynamo traced it
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PrecisionError(f"tracing the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:500]}") from exc
     if args.dot:
         with open(args.dot, "w") as f:
             f.write(report.to_dot())
@@ -262,7 +350,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
+    parser = Parser(
         prog="fx-precision",
         description="Per-module mixed precision for FSDP2 and torch.compile: declare, lower, see, enforce.",
     )
@@ -277,10 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("census", help="eager module-IO dtype inventory of one forward under FSDP2 on N gloo ranks")
     _add_model_args(p)
     _add_policy_args(p)
-    p.add_argument("--world-size", type=int, default=1, help="gloo ranks to spawn (rank 0 prints; default 1)")
+    p.add_argument(
+        "--world-size", type=bounded_int("--world-size", 1, _max_ranks, RANKS_WHY), default=1, help="gloo ranks to spawn (rank 0 prints)"
+    )
     _add_batch_args(p)
+    p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (sets --world-size to R*S)")
     p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
-    p.add_argument("--top", type=int, default=15, help="modules to list (by fp32 count)")
+    p.add_argument("--top", type=bounded_int("--top", 1, 100_000), default=15, help="modules to list (by fp32 count)")
     p.set_defaults(handler=cmd_census)
 
     p = sub.add_parser(
@@ -307,9 +398,11 @@ def build_parser() -> argparse.ArgumentParser:
         "Default model: the Qwen3.5-4B slice (4B layer dimensions, one linear- and one full-attention layer).",
     )
     p.add_argument("--model", default=None, help="model name (default qwen3_5-4b-slice; --quick: qwen3_5-tiny)")
-    p.add_argument("--batch", type=int, default=None, help="batch size (default 1; --quick: 2)")
-    p.add_argument("--seq-len", type=int, default=None, help="sequence length (default 128; --quick: 64)")
-    p.add_argument("--steps", type=int, default=None, help="timed steps after warm-up (default 5)")
+    p.add_argument("--batch", type=bounded_int("--batch", 1, 4096), default=None, help="batch size (default 1; --quick: 2)")
+    p.add_argument(
+        "--seq-len", type=bounded_int("--seq-len", 1, MAX_TOKENS), default=None, help="sequence length (default 128; --quick: 64)"
+    )
+    p.add_argument("--steps", type=bounded_int("--steps", 1, 10_000), default=None, help="timed steps after warm-up (default 5)")
     p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda times with CUDA events)")
     p.add_argument("--quick", action="store_true", help="tiny Qwen3.5, small batch: minutes on a CPU")
     _add_json_arg(p)
@@ -339,7 +432,13 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch_args(p)
     p.add_argument("--out", required=True, metavar="DIR", help="dump directory (created)")
     p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
-    p.add_argument("--world-size", type=int, default=0, help="0: one process, no FSDP2 (default); N: FSDP2 on N gloo ranks")
+    p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (sets --world-size to R*S)")
+    p.add_argument(
+        "--world-size",
+        type=bounded_int("--world-size", 0, _max_ranks, RANKS_WHY),
+        default=0,
+        help="0: one process, no FSDP2; N: N gloo ranks",
+    )
     p.set_defaults(handler=cmd_dump)
 
     p = sub.add_parser(
@@ -355,7 +454,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch_args(p)
     p.set_defaults(batch=2, seq_len=32)
     p.add_argument("--rollout", default="bf16", help="'bf16' (the stand-in) or a dump directory (default bf16)")
-    p.add_argument("--world-size", type=int, default=0, help="train side: 0 one process (default), N: FSDP2 on N gloo ranks")
+    p.add_argument(
+        "--world-size",
+        type=bounded_int("--world-size", 0, _max_ranks, RANKS_WHY),
+        default=0,
+        help="train side: 0 one process, N: N gloo ranks",
+    )
     p.add_argument("--compiled", action="store_true", help="train side compiled with precision_backend (records the logits only)")
     p.add_argument("--map", default="", help="FQN renames, side a=side b, globs: 'self_attn=attn; model.layers.*=layers.*'")
     p.add_argument("--fail-above", type=float, default=None, metavar="X", help="exit 1 when the max log-prob |delta| exceeds X")
@@ -374,11 +478,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    _ARGV[:] = list(argv or [])
     # transformers' "falling back to the reference implementation" notes are noise on CPU;
     # the variable also reaches the gloo ranks this process spawns
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(argv)
+    from fx_precision.tools.distributed import launcher_rank
+
+    if launcher_rank() != 0:  # under torchrun: rank 0 speaks for all
+        sys.stdout = open(os.devnull, "w")
     handler: Handler = args.handler
     try:
         return handler(args)

@@ -104,7 +104,8 @@ def _train_on_rank(rank: int, world_size: int, side: SideConfig, out: str | None
     model = shared_model(cfg.model, cfg.seed)
     policy = cfg.policy(model)
     plan = policy.plan(model, wrap=layer_wrap_globs(model))
-    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
+    mesh = cpu_mesh(world_size, cfg.mesh)
+    apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
     ids = _ids(model, cfg)
     with torch.no_grad(), policy.forward_context("cpu"), DumpRecorder(model, out, inputs=side.inputs) as recorder:
         model(ids, **forward_kwargs(model))

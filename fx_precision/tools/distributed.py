@@ -4,6 +4,10 @@
     ├── rank 0: init_process_group("gloo") ; fn(rank=0, world_size=2, *args) ─▶ result[0]
     └── rank 1: init_process_group("gloo") ; fn(rank=1, world_size=2, *args) ─▶ result[1]
 
+Under a launcher (``torchrun --nproc-per-node N -m fx_precision census ...``) the processes exist
+already: each runs ``fn`` once in its own process, on the launcher's rendezvous (a gloo group: the
+verbs run on CPU), and ``run_on_ranks`` returns ``[its own result]``; the CLI prints on rank 0 only.
+
 ``fn`` must be importable by name (a module-level function); results must pickle.
 """
 
@@ -50,8 +54,29 @@ def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable[...
         os._exit(1)  # a peer may be blocked in a collective; the parent reports the pickled error
 
 
+def launched() -> bool:
+    """Whether a launcher (torchrun, torchelastic) started this process as one of several ranks."""
+    return all(key in os.environ for key in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"))
+
+
+def launcher_rank() -> int:
+    return int(os.environ.get("RANK", "0")) if launched() else 0
+
+
+def _run_launched(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
+    if not dist.is_initialized():
+        dist.init_process_group("gloo")  # the verbs run on CPU; the launcher gives rank, world size, rendezvous
+    return [fn(dist.get_rank(), dist.get_world_size(), *args)]
+
+
 def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
-    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return their results."""
+    """Spawn ``world_size`` gloo ranks running ``fn(rank, world_size, *args)``; return their results.
+
+    Under a launcher, run ``fn`` in this process on the launcher's ranks instead (``world_size`` is
+    the launcher's) and return ``[this rank's result]``.
+    """
+    if launched():
+        return _run_launched(fn, args)
     if world_size < 1:
         raise PrecisionError(f"world size {world_size} must be at least 1")
     with tempfile.TemporaryDirectory() as outdir:
@@ -77,7 +102,21 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
     return results
 
 
-def cpu_mesh(world_size: int) -> Any:
+def cpu_mesh(world_size: int, shape: tuple[int, int] | None = None) -> Any:
+    """A 1-D mesh of ``world_size`` ranks (FSDP), or with ``shape=(R, S)`` a 2-D one (HSDP:
+    ``R`` replicas, each sharded over ``S`` ranks; ``R * S == world_size``)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh("cpu", (world_size,))
+    if shape is None:
+        return init_device_mesh("cpu", (world_size,))
+    if shape[0] * shape[1] != world_size:
+        raise PrecisionError(f"mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} ranks, not {world_size}")
+    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+
+
+def parse_mesh(text: str) -> tuple[int, int]:
+    """``"2x2"`` -> (2, 2): replicas x shards."""
+    parts = text.lower().split("x")
+    if len(parts) != 2 or not all(p.isdigit() and int(p) >= 1 for p in parts):
+        raise PrecisionError(f"--mesh {text!r}: expected RxS, replicas times shards, e.g. 2x2 (HSDP over 4 ranks)")
+    return int(parts[0]), int(parts[1])

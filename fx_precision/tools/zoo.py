@@ -15,6 +15,7 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -100,23 +101,76 @@ BUILTIN: dict[str, Callable[[], nn.Module]] = {
 }
 
 
-def build_model(name: str, *, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
-    """Build a model by built-in name or ``package.module:factory``; ``device="meta"`` allocates nothing."""
-    if name in BUILTIN:
-        factory = BUILTIN[name]
-    elif ":" in name:
-        module_name, _, attr = name.partition(":")
-        if os.getcwd() not in sys.path:
-            sys.path.append(os.getcwd())  # the console script's sys.path lacks the working directory
+MODEL_HELP = (
+    "a built-in name (qwen3_5-tiny, qwen3_5-tiny-tied, qwen3_5-4b-slice, qwen3_5-4b, toy-decoder), package.module:factory "
+    "(a callable with no arguments returning an nn.Module), or a directory or config.json of a transformers checkpoint "
+    "(built from its config with random weights; on the meta device for plan and lint)"
+)
+
+
+def config_path(name: str) -> Path | None:
+    """The ``config.json`` that ``name`` points at (a checkpoint directory or the file), if any."""
+    path = Path(name).expanduser()
+    if path.is_dir() and (path / "config.json").is_file():
+        return path / "config.json"
+    if path.is_file() and path.suffix == ".json":
+        return path
+    return None
+
+
+def _from_config(file: Path) -> nn.Module:
+    """A causal LM built from a transformers config file (random weights, no download)."""
+    transformers = _transformers()
+    try:
+        config = transformers.AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file))
+    except (OSError, ValueError, KeyError) as exc:
+        raise PrecisionError(f"--model {file}: transformers cannot read this config ({exc})") from None
+    for candidate in (config, getattr(config, "text_config", None)):  # a multimodal checkpoint: its text tower
+        if candidate is None:
+            continue
         try:
-            factory = getattr(importlib.import_module(module_name), attr)
-        except (ImportError, AttributeError) as exc:
-            raise PrecisionError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({exc})") from exc
-    else:
-        raise PrecisionError(f"unknown model {name!r}; built-in: {', '.join(BUILTIN)}, or give package.module:factory")
+            return transformers.AutoModelForCausalLM.from_config(candidate)
+        except ValueError:
+            continue
+    raise PrecisionError(f"--model {file}: model_type {config.model_type!r} has no causal-LM class in this transformers")
+
+
+def _factory(name: str) -> Callable[[], nn.Module]:
+    if name in BUILTIN:
+        return BUILTIN[name]
+    file = config_path(name)
+    if file is not None:
+        return lambda: _from_config(file)
+    if ":" not in name:
+        raise PrecisionError(f"--model {name!r}: unknown model; {MODEL_HELP}")
+    module_name, _, attr = name.partition(":")
+    if not module_name or not attr or not all(part.isidentifier() for part in [*module_name.split("."), attr]):
+        raise PrecisionError(f"--model {name!r}: expected package.module:factory (two dotted Python names around one ':')")
+    if os.getcwd() not in sys.path:
+        sys.path.append(os.getcwd())  # the console script's sys.path lacks the working directory
+    try:
+        factory = getattr(importlib.import_module(module_name), attr)
+    except (ImportError, AttributeError) as exc:
+        raise PrecisionError(f"--model {name!r}: cannot import {attr!r} from {module_name!r} ({exc})") from exc
+    if not callable(factory):
+        raise PrecisionError(f"--model {name!r}: {attr!r} is a {type(factory).__name__}, not a callable returning an nn.Module")
+    return factory
+
+
+def build_model(name: str, *, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
+    """Build a model by built-in name, ``package.module:factory`` or config path; ``device="meta"`` allocates nothing."""
+    factory = _factory(name)
     torch.manual_seed(seed)
-    with torch.device(device) if device is not None else contextlib.nullcontext():
-        model = factory()
+    try:
+        with torch.device(device) if device is not None else contextlib.nullcontext():
+            model = factory()
+    except PrecisionError:
+        raise
+    except Exception as exc:  # the user's factory: any failure is theirs to see, as one line
+        raise PrecisionError(
+            f"--model {name!r}: building the model raised {type(exc).__name__}: {exc}. "
+            "A factory takes no arguments and returns an nn.Module"
+        ) from exc
     if not isinstance(model, nn.Module):
         raise PrecisionError(f"--model {name!r}: the factory returned {type(model).__name__}, not an nn.Module")
     return model
@@ -134,7 +188,12 @@ def vocab_size(model: nn.Module) -> int:
 
 
 def token_batch(model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: int = 0, device: str | torch.device = "cpu") -> torch.Tensor:
-    """Synthetic token ids from a fixed seed."""
+    """Synthetic token ids from a fixed seed; the sequence fits the model's positions."""
+    if batch < 1 or seq_len < 1:
+        raise PrecisionError(f"--batch {batch} --seq-len {seq_len}: both must be at least 1")
+    limit = getattr(getattr(model, "config", None), "max_position_embeddings", None)
+    if isinstance(limit, int) and seq_len > limit:
+        raise PrecisionError(f"--seq-len {seq_len}: {type(model).__name__} has max_position_embeddings={limit}; use at most that")
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size(model), (batch, seq_len), generator=gen).to(device)
 
