@@ -137,12 +137,14 @@ def test_a_compute_dtype_autocast_would_not_run_is_refused() -> None:
         fxp.PrecisionPolicy(compute=torch.float32)
 
 
-def test_lint_for_cuda_autocast_needs_a_cuda_device() -> None:
+def test_lint_and_census_on_cuda_need_a_cuda_device() -> None:
     out = run_cli("lint", "--model", "toy-decoder", "--device-type", "cuda")
+    census = run_cli("census", "--model", "toy-decoder", "--device", "cuda")
     if torch.cuda.is_available():
-        assert out.returncode in (0, 1), out.stderr[-800:]  # a real cuda lint
+        assert out.returncode in (0, 1) and census.returncode == 0, out.stderr[-800:] + census.stderr[-800:]  # real cuda runs
     else:
         one_line_error(out, "sees no CUDA device")
+        one_line_error(census, "sees no CUDA device")
 
 
 # 7 -------------------------------------------------------------------------------------------------

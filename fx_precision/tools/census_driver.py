@@ -19,7 +19,7 @@ from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
 from fx_precision.module_graph import module_label
 from fx_precision.policy import PrecisionPolicy, resolve_policy
 from fx_precision.spec import PrecisionSpec, parse_precision_rules
-from fx_precision.tools.distributed import cpu_mesh, run_on_ranks
+from fx_precision.tools.distributed import cpu_mesh, rank_device, run_on_ranks
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 
 
@@ -75,24 +75,20 @@ def plain_layer_wrap(model: Any, mesh: Any) -> None:
 def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> list[dict[str, Any]]:
     """Runs inside each rank: every config on a freshly built, freshly wrapped model."""
     out = []
+    device = rank_device(rank)  # the CPU, or this rank's GPU under --device cuda
     for cfg in configs:
-        model = build_model(cfg.model, seed=cfg.seed)
+        model = build_model(cfg.model, seed=cfg.seed).to(device)
         policy = cfg.policy(model)
+        mesh = cpu_mesh(world_size, cfg.mesh, device.type)
         if cfg.plain_wrap:
-            plain_layer_wrap(model, cpu_mesh(world_size, cfg.mesh))
+            plain_layer_wrap(model, mesh)
             plan_units: list[str] = []
         else:
             plan = policy.plan(model, wrap=layer_wrap_globs(model))
-            apply_fsdp2(
-                model,
-                plan,
-                mesh=cpu_mesh(world_size, cfg.mesh),
-                reduce_dtype=policy.reduce,
-                cast_forward_inputs=bool(policy.cast_forward_inputs),
-            )
+            apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
             plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in plan.units]
-        ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
-        with policy.forward_context("cpu"):
+        ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
+        with policy.forward_context(device.type):
             try:
                 result = census(model, ids, backward=cfg.backward, **forward_kwargs(model))
             except PrecisionError:

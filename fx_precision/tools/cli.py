@@ -206,6 +206,13 @@ def _mesh(args: argparse.Namespace) -> tuple[int, int] | None:
 def cmd_census(args: argparse.Namespace) -> int:
     from fx_precision.tools.census_driver import run_census
 
+    if args.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise PrecisionError("--device cuda: this torch sees no CUDA device; run on a GPU machine (under torchrun) or use --device cpu")
+        os.environ["FX_PRECISION_DEVICE"] = "cuda"  # the ranks read it: their GPU and NCCL
+
     if args.wrap is not None:
         raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
     from fx_precision.tools.distributed import launched
@@ -213,7 +220,8 @@ def cmd_census(args: argparse.Namespace) -> int:
     ((cfg, policy, result),) = run_census([_census_config(args)], world_size=args.world_size)
     ranks = int(os.environ["WORLD_SIZE"]) if launched() else args.world_size
     data = {"model": cfg.model, "world_size": ranks, "launcher": launched(), "policy": policy, **result.to_dict()}
-    _emit(args, data, lambda: f"{cfg.model} on {ranks} gloo rank(s); policy: {policy}\n{result.render(top=args.top)}")
+    kind = "NCCL (cuda)" if args.device == "cuda" else "gloo"
+    _emit(args, data, lambda: f"{cfg.model} on {ranks} {kind} rank(s); policy: {policy}\n{result.render(top=args.top)}")
     return 0
 
 
@@ -370,6 +378,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_batch_args(p)
     p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (sets --world-size to R*S)")
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank runs: cpu (gloo) or its own GPU (NCCL; under torchrun)"
+    )
     p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
     p.add_argument("--top", type=bounded_int("--top", 1, 100_000), default=15, help="modules to list (by fp32 count)")
     p.set_defaults(handler=cmd_census)

@@ -5,8 +5,9 @@
     └── rank 1: init_process_group("gloo") ; fn(rank=1, world_size=2, *args) ─▶ result[1]
 
 Under a launcher (``torchrun --nproc-per-node N -m fx_precision census ...``) the processes exist
-already: each runs ``fn`` once in its own process, on the launcher's rendezvous (a gloo group: the
-verbs run on CPU), and ``run_on_ranks`` returns ``[its own result]``; the CLI prints on rank 0 only.
+already: each runs ``fn`` once in its own process, on the launcher's rendezvous (gloo; NCCL with
+``--device cuda``, each rank on its LOCAL_RANK's GPU), and ``run_on_ranks`` returns ``[its own
+result]``; the CLI prints on rank 0 only.
 
 ``fn`` must be importable by name (a module-level function); results must pickle.
 """
@@ -34,9 +35,23 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def process_group_backend() -> str:
+    """``nccl`` when the verbs run their models on CUDA (``--device cuda`` sets FX_PRECISION_DEVICE), else gloo."""
+    return "nccl" if os.environ.get("FX_PRECISION_DEVICE") == "cuda" else "gloo"
+
+
+def rank_device(rank: int) -> torch.device:
+    """This rank's device: its own GPU under ``--device cuda`` (the launcher's LOCAL_RANK), else the CPU."""
+    if os.environ.get("FX_PRECISION_DEVICE") != "cuda":
+        return torch.device("cpu")
+    local = int(os.environ.get("LOCAL_RANK", rank))
+    torch.cuda.set_device(local)
+    return torch.device("cuda", local)
+
+
 def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    dist.init_process_group(process_group_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     path = os.path.join(outdir, f"{rank}.pkl")
     try:
         result: Any = ("ok", fn(rank, world_size, *args))
@@ -65,7 +80,7 @@ def launcher_rank() -> int:
 
 def _run_launched(fn: Callable[..., Any], args: tuple[Any, ...]) -> list[Any]:
     if not dist.is_initialized():
-        dist.init_process_group("gloo")  # the verbs run on CPU; the launcher gives rank, world size, rendezvous
+        dist.init_process_group(process_group_backend())  # the launcher gives rank, world size and rendezvous
     return [fn(dist.get_rank(), dist.get_world_size(), *args)]
 
 
@@ -102,16 +117,16 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
     return results
 
 
-def cpu_mesh(world_size: int, shape: tuple[int, int] | None = None) -> Any:
+def cpu_mesh(world_size: int, shape: tuple[int, int] | None = None, device_type: str = "cpu") -> Any:
     """A 1-D mesh of ``world_size`` ranks (FSDP), or with ``shape=(R, S)`` a 2-D one (HSDP:
-    ``R`` replicas, each sharded over ``S`` ranks; ``R * S == world_size``)."""
+    ``R`` replicas, each sharded over ``S`` ranks; ``R * S == world_size``), on ``device_type``."""
     from torch.distributed.device_mesh import init_device_mesh
 
     if shape is None:
-        return init_device_mesh("cpu", (world_size,))
+        return init_device_mesh(device_type, (world_size,))
     if shape[0] * shape[1] != world_size:
         raise PrecisionError(f"mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} ranks, not {world_size}")
-    return init_device_mesh("cpu", shape, mesh_dim_names=("replicate", "shard"))
+    return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 
 def parse_mesh(text: str) -> tuple[int, int]:
