@@ -142,15 +142,21 @@ class ParamInfo:
 
 
 def collect_params(graph: ModuleGraph) -> dict[int, ParamInfo]:
-    """Every parameter of the model (floating or not), keyed by ``id(param)``."""
+    """Every parameter of the model (floating or not), keyed by ``id(param)``.
+
+    Walks the paths ``ModuleGraph.of`` recorded, in ``named_parameters(remove_duplicate=False)``
+    order, so a parameter's first alias is its canonical FQN.
+    """
     infos: dict[int, ParamInfo] = {}
-    for fqn, param in graph.root.named_parameters(remove_duplicate=False):
-        owner_path, _, _ = fqn.rpartition(".")
-        holder = graph.by_path[owner_path]
-        info = infos.get(id(param))
-        if info is None:
-            infos[id(param)] = ParamInfo(fqn, [fqn], param, [holder], holder)
-        else:
+    for path, holder in graph.by_path.items():
+        for name, param in graph.modules[holder]._parameters.items():
+            if param is None:
+                continue
+            fqn = f"{path}.{name}" if path else name
+            info = infos.get(id(param))
+            if info is None:
+                infos[id(param)] = ParamInfo(fqn, [fqn], param, [holder], holder)
+                continue
             info.aliases.append(fqn)
             if holder not in info.holders:
                 info.holders.append(holder)

@@ -172,12 +172,10 @@ def _direct_gathers(
     graph: ModuleGraph, infos: dict[int, ParamInfo], resolved: dict[int, tuple[Resolved, Resolved]], default_gather: torch.dtype
 ) -> dict[int, set[torch.dtype]]:
     """Gather dtypes of the parameters homed at each module; raises where no unit can express them."""
-    direct: dict[int, set[torch.dtype]] = {}
     home_params: dict[int, list[int]] = {}
-    for key, (g, _) in resolved.items():
-        home = infos[key].home
-        direct.setdefault(home, set()).add(g.dtype)
-        home_params.setdefault(home, []).append(key)
+    for key in resolved:
+        home_params.setdefault(infos[key].home, []).append(key)
+    direct = {home: {resolved[k][0].dtype for k in keys} for home, keys in home_params.items()}
     for home, dtypes in direct.items():
         if len(dtypes) > 1:
             names = [f"{infos[k].fqn}={dtype_name(resolved[k][0].dtype)}" for k in home_params[home]]
