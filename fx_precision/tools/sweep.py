@@ -121,7 +121,7 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
         row["lint"] = {
             "by_kind": dict(Counter(f.kind for f in report.findings)),
             "sources": sum(f.is_source for f in report.findings),
-            "masked": sum(f.masked for f in report.findings),
+            "masked": sum(f.masked and f.is_source for f in report.findings),  # of the sources, those that were masked
             "rounds": max((g.rounds for g in report.graphs), default=0),
             "graphs": len(report.graphs),
         }
