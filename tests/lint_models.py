@@ -162,3 +162,34 @@ class AbsolutePositions(nn.Module):
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         positions = torch.arange(ids.shape[-1], device=ids.device)
         return self.head(self.wte(ids) + self.wpe(positions))
+
+
+class MaskedAttention(nn.Module):
+    """Eager attention: bf16 scores plus an additive mask, softmax in fp32, back to the input dtype."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.q = nn.Linear(dim, dim)
+        self.k = nn.Linear(dim, dim)
+
+    def forward(self, h: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        scores = self.q(h) @ self.k(h).transpose(-1, -2) + mask
+        return torch.softmax(scores, dim=-1, dtype=torch.float32).to(h.dtype) @ h
+
+
+class MaskFromStream(nn.Module):
+    """transformers' causal mask: built at the embedding's dtype and filled with ``finfo(dtype).min``."""
+
+    def __init__(self, vocab: int = 32, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.attn = MaskedAttention(dim)
+        self.head = nn.Linear(dim, vocab)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        h = self.embed(ids)
+        dtype = h.dtype
+        n = ids.shape[-1]
+        causal = torch.arange(n)[None, :] <= torch.arange(n)[:, None]
+        mask = torch.where(causal, torch.zeros((), dtype=dtype), torch.finfo(dtype).min)
+        return self.head(self.attn(h, mask))

@@ -144,3 +144,23 @@ def test_a_promotion_by_a_module_crossing_operand_casts_that_operand_like_a_hand
     assert [(c.module, c.frm, c.to) for c in operand] == [("wpe", torch.float32, BF16)]
     assert report.after == [] and report.stream_after.get("fp32", 0) == 0
     assert [(f.module, f.round) for f in report.before if f.is_source] == [("wte", 0), ("", 1)]
+
+
+def test_a_mask_built_at_the_streams_traced_dtype_follows_it_with_its_finfo_fill() -> None:
+    """The mask is traced as fp32 with finfo(fp32).min while the embedding leaks; the pass rebuilds it
+    at bf16 with finfo(bf16).min, as the program does once the embedding is fixed (a cast would
+    turn finfo(fp32).min into -inf)."""
+    torch.manual_seed(0)
+    model = lm.MaskFromStream()
+    ids = torch.randint(0, 32, (2, 8))
+    fixed = copy.deepcopy(model)
+    fixed.embed.register_forward_hook(lambda _m, _a, out: out.to(BF16))
+    with torch.autocast("cpu", dtype=BF16):
+        want = fixed(ids)
+        backend = fxp.make_precision_backend(inner="aot_eager")
+        got = torch.compile(model, backend=backend)(ids)
+    assert torch.equal(got, want) and torch.isfinite(got).all()
+    (report,) = backend.reports
+    constants = [c for c in report.retargeted if "constant" in c.reason]
+    assert [(c.frm, c.to) for c in constants] == [(torch.float32, BF16)]
+    assert report.stream_after.get("fp32", 0) == 0

@@ -30,7 +30,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.passes.annotate import GraphAnnotation
 from fx_precision.passes.cast_literals import LITERAL_DTYPE, names_literal_dtype
 from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import is_custom_op, is_view, module_path, node_dtype, source_line
+from fx_precision.passes.graph_nodes import is_cast, is_custom_op, is_view, module_path, node_dtype, source_line
 from fx_precision.passes.kinds import CastKind, NodeKind
 
 
@@ -119,9 +119,83 @@ def retarget_dtype_following(
                 kind=CastKind.RETARGET,
             )
         )
+    changed += _retarget_stream_constants(gm, narrowed, inserted, before)
     if changed:
         gm.recompile()
     return changed
+
+
+def _retarget_stream_constants(
+    gm: fx.GraphModule, narrowed: dict[torch.dtype, torch.dtype], inserted: set[str], before: GraphAnnotation
+) -> list[InsertedCast]:
+    """Constants built at the stream's traced dtype: an attention mask ``where(causal, zeros((),
+    dtype=D), finfo(D).min)`` with ``D = inputs_embeds.dtype``. A constant (factories only, no
+    weights) at a narrowed-away dtype that crosses a module boundary and there meets only
+    compute-dtype activations, in ops that promote, followed the stream when traced: its factories
+    are retargeted and the ``finfo(old).min / max`` baked into it become ``finfo(new)``'s, which is
+    what the program computes once the leak is fixed (and not ``-inf``, as a cast would make)."""
+    changed: list[InsertedCast] = []
+    done: set[fx.Node] = set()
+    for node, info in list(before.info.items()):
+        if info.kind is not NodeKind.CONSTANT or info.dtype not in narrowed or node in done or node.name in inserted:
+            continue
+        elsewhere = [u for u in node.users if module_path(u) != info.module]
+        if not elsewhere or not all(_meets_compute_in_promotion(u, node, before) for u in elsewhere):
+            continue
+        old, new = info.dtype, narrowed[info.dtype]
+        for member in _constant_subgraph(node, before):
+            done.add(member)
+            target = _factory_target(member)
+            if target is not None and target[2] == old and not LITERAL_DTYPE.search((source_line(member) or "").split(": ", 1)[-1]):
+                member.kwargs = {**member.kwargs, "dtype": new}
+            member.args = tuple(_finfo_swap(a, old, new) for a in member.args)
+        changed.append(
+            InsertedCast(
+                node.name,
+                node.name,
+                old,
+                new,
+                f"dtype-following constant retargeted {dtype_name(old)} -> {dtype_name(new)}: built at the stream's traced dtype "
+                f"and mixed into {', '.join(sorted({module_path(u) or '<root>' for u in elsewhere}))}",
+                module_path(node),
+                kind=CastKind.RETARGET,
+            )
+        )
+    return changed
+
+
+def _meets_compute_in_promotion(user: fx.Node, constant: fx.Node, before: GraphAnnotation) -> bool:
+    if is_cast(user) or not _promotes_mixed_dtypes(user):
+        return False
+    others = [before.info.get(o) for o in user.all_input_nodes if o is not constant]
+    return bool(others) and all(
+        o is not None and o.kind is NodeKind.COMPUTE for o in others if o.dtype is not None and o.dtype.is_floating_point
+    )
+
+
+def _constant_subgraph(node: fx.Node, before: GraphAnnotation) -> list[fx.Node]:
+    """``node`` and the constant nodes it is built from."""
+    out, stack, seen = [], [node], set()
+    while stack:
+        current = stack.pop()
+        if current in seen:
+            continue
+        seen.add(current)
+        info = before.info.get(current)
+        if info is None or info.kind is not NodeKind.CONSTANT or current.op != "call_function":
+            continue
+        out.append(current)
+        stack.extend(current.all_input_nodes)
+    return out
+
+
+def _finfo_swap(arg: object, old: torch.dtype, new: torch.dtype) -> object:
+    """``torch.finfo(old).min / max`` baked into a graph argument -> ``finfo(new)``'s."""
+    if isinstance(arg, float):
+        for which in ("min", "max"):
+            if arg == getattr(torch.finfo(old), which):
+                return float(getattr(torch.finfo(new), which))
+    return arg
 
 
 # what a dtype-following cast may have been applied to: the leaking stream, or a static table (RoPE cos)
