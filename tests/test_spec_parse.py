@@ -56,7 +56,7 @@ def test_malformed_text_names_the_column_and_what_was_expected(text: str, column
 def test_rule_needs_an_axis_and_float_dtypes() -> None:
     with pytest.raises(PrecisionError, match="neither gather= nor master="):
         Rule(ModuleSel(fqn="a"))
-    with pytest.raises(PrecisionError, match="not a floating dtype"):
+    with pytest.raises(PrecisionError, match="not a precision dtype; use one of fp32, bf16, fp16"):
         Rule(ModuleSel(fqn="a"), gather=torch.int8)
     with pytest.raises(PrecisionError, match="fqn=, cls="):
         ModuleSel()
