@@ -59,18 +59,28 @@ def embedding_rules(model: nn.Module) -> str:
 
 @dataclass(frozen=True)
 class Variant:
+    """One row of the benchmark and how it runs: the model's weights, the compile, the eager gather."""
+
     name: str
     compiled: bool
     meaning: str
+    weights: torch.dtype | None = None  # convert the whole model (the pure-bf16 limit); None: fp32 masters
+    backend: str | None = None  # None: default Inductor; "plan": precision_backend with the embedding plan; "pass": no plan
+    gather_eagerly: bool = False  # eager gather emulation of the embedding plan
+
+    def make_backend(self, plan: PrecisionPlan) -> Any:
+        if self.backend is None:
+            return None
+        return make_precision_backend(plan=plan if self.backend == "plan" else None)
 
 
 VARIANTS = (
     Variant("eager as-is", False, "fp32 gather: F.embedding seeds an fp32 stream"),
-    Variant("eager both fixes", False, "embedding gathered at bf16 (cast at use)"),
+    Variant("eager both fixes", False, "embedding gathered at bf16 (cast at use)", gather_eagerly=True),
     Variant("inductor", True, "torch.compile, default Inductor"),
-    Variant("precision_backend + plan", True, f"backend with plan '{EMBED_RULE}'"),
-    Variant("precision_backend", True, "backend, no plan: casts the embedding output"),
-    Variant("pure bf16 limit", True, "model converted to bf16, default Inductor"),
+    Variant("precision_backend + plan", True, f"backend with plan '{EMBED_RULE}'", backend="plan"),
+    Variant("precision_backend", True, "backend, no plan: casts the embedding output", backend="pass"),
+    Variant("pure bf16 limit", True, "model converted to bf16, default Inductor", weights=torch.bfloat16),
 )
 
 
@@ -218,20 +228,16 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     model = build_model(model_name, seed=0).to(device)
-    if variant.name == "pure bf16 limit":
-        model.to(torch.bfloat16)
+    if variant.weights is not None:
+        model.to(variant.weights)
     ids = token_batch(model, batch=batch, seq_len=seq_len, seed=1, device=device)
     kwargs = forward_kwargs(model)
     plan = compile_precision(model, parse_precision_rules(embedding_rules(model)), default_gather="fp32")
-    backend: Any = None
-    if variant.name == "precision_backend + plan":
-        backend = make_precision_backend(plan=plan)
-    elif variant.name == "precision_backend":
-        backend = make_precision_backend()
+    backend = variant.make_backend(plan)
     forward: Callable[..., Any] = model
     if variant.compiled:
         forward = torch.compile(model, backend=backend or "inductor")
-    fix = gathered_eagerly(model, plan) if variant.name == "eager both fixes" else contextlib.nullcontext()
+    fix = gathered_eagerly(model, plan) if variant.gather_eagerly else contextlib.nullcontext()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = _SavedBytes(params, batch * seq_len, {tuple(p.shape) for p in model.parameters()})
 
