@@ -237,7 +237,6 @@ def test_bad_mode_is_rejected() -> None:
 # --- tiny Qwen3.5 (transformers) ------------------------------------------------------------------
 
 
-
 def qwen_pair() -> tuple[nn.Module, torch.Tensor]:
     from fx_precision.tools.zoo import build_model, token_batch
 

@@ -91,8 +91,6 @@ def test_diff_lists_modules_whose_dtypes_changed_and_json_round_trips() -> None:
     assert leaky.diff(leaky) == []
 
 
-
-
 def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=600)
 

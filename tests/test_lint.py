@@ -149,8 +149,6 @@ def test_fake_tensor_model_lints_like_the_real_one() -> None:
     assert fake.graphs[0].census.to_dict() == real.graphs[0].census.to_dict()
 
 
-
-
 def qwen(device: str | None = None) -> torch.nn.Module:
     from fx_precision.tools.zoo import build_model
 
@@ -247,3 +245,19 @@ def test_cli_lint_exit_status_json_and_dot(tmp_path: object) -> None:
     if shutil.which("dot"):  # Debian's graphviz (.ci/run installs it when apt is reachable)
         svg = subprocess.run(["dot", "-Tsvg", dot_file], capture_output=True, text=True, timeout=60)
         assert svg.returncode == 0 and "<svg" in svg.stdout, svg.stderr
+
+
+@pytest.mark.needs_transformers
+def test_llama_lint_lists_the_embedding_and_the_norms_it_masks_in_one_run() -> None:
+    """LlamaForCausalLM, 3 layers: the embedding as traced, then 2 norms per layer and the final norm,
+    each masked by the embedding; no RoPE or KV-cache artefacts."""
+    from fx_precision.tools.arch_zoo import Arch
+
+    model = Arch("llama", "LlamaConfig", "LlamaForCausalLM", {"num_hidden_layers": 3}).build()
+    report = bf16_lint(model, input_ids=torch.randint(0, 256, (1, 8)))
+    embed, *norms = sorted((f for f in report.findings if f.is_source), key=lambda f: f.round)
+    assert (embed.kind, embed.module, embed.round) == ("uncovered-op", "model.embed_tokens", 0)
+    assert len(norms) == 7 and all(f.kind == "weight-promotion" and f.round == 1 for f in norms)
+    assert all(f.masked_by == (embed.node,) for f in norms)
+    assert {f.module.rsplit(".", 1)[-1] for f in norms} == {"input_layernorm", "post_attention_layernorm", "norm"}
+    assert len(report.findings) == 8  # nothing else: the artefacts of the leak are not listed
