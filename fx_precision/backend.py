@@ -17,6 +17,7 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,6 +72,11 @@ class GraphReport:
 
     def casts_of(self, *kinds: CastKind) -> list[InsertedCast]:
         return [c for c in self.casts if c.kind in kinds]
+
+    def casts_for(self, reason_prefix: str) -> list[InsertedCast]:
+        """Deprecated: casts by the prefix of their reason text; use ``casts_of(CastKind...)``."""
+        warnings.warn("GraphReport.casts_for(prefix) is deprecated; use casts_of(CastKind.X)", DeprecationWarning, stacklevel=2)
+        return [c for c in self.casts if c.reason.startswith(reason_prefix)]
 
     @property
     def gather_casts(self) -> list[InsertedCast]:

@@ -6,6 +6,8 @@ import subprocess
 import sys
 import warnings
 
+import torch
+
 
 def run(code: str) -> str:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
@@ -51,3 +53,16 @@ def test_moved_tool_modules_import_from_their_old_paths_with_a_warning() -> None
         warnings.simplefilter("always")
         from fx_precision.plan import compile_precision
     assert callable(compile_precision) and any("fx_precision.lowering" in str(w.message) for w in caught)
+
+
+def test_the_old_cast_query_of_graph_reports_still_works_with_a_warning() -> None:
+    from fx_precision.backend import GraphReport
+    from fx_precision.passes.gather_emulation import InsertedCast
+    from fx_precision.passes.kinds import CastKind
+
+    cast = InsertedCast("to_1", "w", torch.float32, torch.bfloat16, "gather emulation: unit <root>", "", kind=CastKind.GATHER)
+    report = GraphReport(0, "enforce", torch.bfloat16, casts=[cast])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert report.casts_for("gather emulation") == [cast] == report.gather_casts
+    assert any(issubclass(w.category, DeprecationWarning) for w in caught)
