@@ -29,6 +29,7 @@ this level: AOTAutograd decides them later.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +39,8 @@ from fx_precision.dtypes import is_analysed_float
 from fx_precision.module_graph import module_label
 from fx_precision.passes.graph_nodes import (
     is_cast,
+    is_custom_op,
+    is_view,
     module_path,
     node_dtype,
     node_value,
@@ -218,3 +221,22 @@ def annotate(
                 info.stream = True
                 break
     return ann
+
+
+def autocast_covered_uses(ann: GraphAnnotation, node: fx.Node) -> list[fx.Node] | None:
+    """The uses of ``node`` (through views and slices) if every one is an op autocast ran at the
+    compute dtype (its output is at compute; not a cast, a custom op or a graph output): those
+    ops cast ``node`` to compute anyway. ``[]``: no use; None: some use is not covered."""
+    uses: list[fx.Node] = []
+    stack = list(node.users)
+    while stack:
+        user = stack.pop()
+        sliced = user.target is operator.getitem and isinstance(node_value(user), torch.Tensor)
+        if is_view(user) or sliced:
+            stack.extend(user.users)
+            continue
+        info = ann.info.get(user)
+        if user.op == "output" or is_cast(user) or is_custom_op(user) or info is None or info.dtype != ann.compute:
+            return None
+        uses.append(user)
+    return uses

@@ -16,31 +16,13 @@ a graph output, never a use by a custom op (its numerics are unknown) or a cast.
 
 from __future__ import annotations
 
-import operator
-
 import torch
-from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
-from fx_precision.passes.annotate import GraphAnnotation
+from fx_precision.passes.annotate import GraphAnnotation, autocast_covered_uses
 from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import is_cast, is_custom_op, is_view, node_value, redirect_through_cast
+from fx_precision.passes.graph_nodes import node_value, redirect_through_cast
 from fx_precision.passes.kinds import CastKind
-
-
-def _covered_uses(ann: GraphAnnotation, node: fx.Node, compute: torch.dtype) -> list[fx.Node] | None:
-    """The uses of ``node`` (through views), if every one is an op autocast ran at ``compute``."""
-    uses, stack = [], list(node.users)
-    while stack:
-        user = stack.pop()
-        if is_view(user) or (user.target is operator.getitem and isinstance(node_value(user), torch.Tensor)):  # views, slices
-            stack.extend(user.users)
-            continue
-        info = ann.info.get(user)
-        if user.op == "output" or is_cast(user) or is_custom_op(user) or info is None or info.dtype != compute:
-            return None
-        uses.append(user)
-    return uses or None
 
 
 def narrow_covered_stream(ann: GraphAnnotation, compute: torch.dtype) -> list[InsertedCast]:
@@ -52,8 +34,8 @@ def narrow_covered_stream(ann: GraphAnnotation, compute: torch.dtype) -> list[In
             continue
         if not is_analysed_float(value.dtype) or value.dtype.itemsize <= compute.itemsize:
             continue
-        uses = _covered_uses(ann, node, compute)
-        if uses is None or all(ann.info[u].module == info.module for u in uses):
+        uses = autocast_covered_uses(ann, node)
+        if not uses or all(ann.info[u].module == info.module for u in uses):
             continue
         cast = redirect_through_cast(node, compute)
         casts.append(

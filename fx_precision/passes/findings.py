@@ -26,8 +26,8 @@ from torch import fx
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.module_graph import module_label
-from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, is_wide
-from fx_precision.passes.graph_nodes import is_cast, is_view, node_dtype, node_value, op_name, source_line
+from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, autocast_covered_uses, is_wide
+from fx_precision.passes.graph_nodes import is_cast, node_dtype, node_value, op_name, source_line
 from fx_precision.passes.kinds import NodeKind, Severity
 from fx_precision.passes.units import UnitIndex
 
@@ -260,22 +260,6 @@ def _round_trips(ann: GraphAnnotation, graph_index: int) -> list[Finding]:
     return out
 
 
-def _covered_uses(ann: GraphAnnotation, node: fx.Node) -> bool | None:
-    """True if every use of a weight (through views) is an op autocast ran at compute dtype."""
-    uses = 0
-    stack = list(node.users)
-    while stack:
-        user = stack.pop()
-        if is_view(user):
-            stack.extend(user.users)
-            continue
-        uses += 1
-        info = ann.info.get(user)
-        if info is None or is_cast(user) or info.dtype != ann.compute or user.op == "output":
-            return False
-    return uses > 0 or None
-
-
 def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> list[Finding]:
     compute = ann.compute
     if compute is None:
@@ -283,7 +267,8 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
     per_unit: dict[str, list[tuple[NodeInfo, bool | None]]] = {}
     for node, info in ann.info.items():
         if info.kind is NodeKind.WEIGHT and info.param_kind == "parameter" and info.unit is not None:
-            per_unit.setdefault(info.unit, []).append((info, _covered_uses(ann, node)))
+            uses = autocast_covered_uses(ann, node)
+            per_unit.setdefault(info.unit, []).append((info, None if uses == [] else uses is not None))
     out = []
     for unit, weights in per_unit.items():
         gather = units.units.get(unit)
