@@ -26,7 +26,7 @@ import difflib
 import os
 import re
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 import torch
@@ -301,10 +301,12 @@ def compare(a: Any, b: Any, *, fqn_map: str | dict[str, str] | None = None, dril
         for pa, pb in mapping:
             if not any(_pattern(pb).match(n) for n in names_b):
                 raise PrecisionError(f"FQN map {pa}={pb}: {pb!r} matches no module of side b ({db.source}); check the names")
-        for record in db.records:
-            record.fqn = rename(record.fqn, mapping)
-        db.calls = [type(c)(rename(c.fqn, mapping), c.call, c.start, c.end) for c in db.calls]
-        db.replays = {(rename(f, mapping), c): v for (f, c), v in db.replays.items()}
+        db = replace(  # a renamed copy: the caller's Dump keeps its own names
+            db,
+            records=[replace(r, fqn=rename(r.fqn, mapping)) for r in db.records],
+            calls=[replace(c, fqn=rename(c.fqn, mapping)) for c in db.calls],
+            replays={(rename(f, mapping), c): v for (f, c), v in db.replays.items()},
+        )
     by_a = {r.key: r for r in da.records}
     by_b = {r.key: r for r in db.records}
     pairs = [tensor_diff(by_a[k], by_b[k]) for k in by_a if k in by_b]
@@ -357,7 +359,8 @@ class _OpRecorder(TorchDispatchMode):
     def __torch_dispatch__(self, func: Any, types: Any, args: tuple[Any, ...] = (), kwargs: dict[str, Any] | None = None) -> Any:
         out = func(*args, **(kwargs or {}))
         tensors = [t.detach().clone() for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.is_floating_point()]
-        self.ops.append((str(func.overloadpacket.__name__ if hasattr(func, "overloadpacket") else func), tensors))
+        packet = getattr(func, "overloadpacket", None)
+        self.ops.append((packet._qualified_op_name.replace("::", ".") if packet is not None else str(func), tensors))
         return out
 
 
@@ -373,7 +376,7 @@ def _run_alone(dump: Dump, key: tuple[str, int]) -> list[tuple[str, list[torch.T
     recorder = _OpRecorder()
     with torch.no_grad(), ctx, recorder:
         module(*args, **kwargs)
-    return [(f"aten.{name}", ts) for name, ts in recorder.ops]
+    return recorder.ops
 
 
 def _drill_down(origin: CallDiff, da: Dump, db: Dump) -> OpDiff | None:

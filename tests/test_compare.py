@@ -99,8 +99,10 @@ def test_fqn_map_aligns_renamed_modules_and_rejects_a_map_that_matches_nothing(t
     b.attn = a.self_attn
     b.forward = lambda x: b.attn(x)  # type: ignore[method-assign]
     x = torch.randn(2, 4)
-    result = compare(Side(a, (x,)), Side(b, (x,)), fqn_map="self_attn=attn")
+    side_b = Side(b, (x,)).record()
+    result = compare(Side(a, (x,)), side_b, fqn_map="self_attn=attn")
     assert result.only_a == [] and result.only_b == [] and {p.fqn for p in result.pairs} == {"", "self_attn"}
+    assert {r.fqn for r in side_b.records} == {"", "attn"}  # the caller's dump keeps its own names
     with pytest.raises(fxp.PrecisionError, match="'nothing' matches no module of side b"):
         compare(Side(a, (x,)), Side(b, (x,)), fqn_map="self_attn=nothing")
 

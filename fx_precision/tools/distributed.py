@@ -125,7 +125,10 @@ def cpu_mesh(world_size: int, shape: tuple[int, int] | None = None, device_type:
     if shape is None:
         return init_device_mesh(device_type, (world_size,))
     if shape[0] * shape[1] != world_size:
-        raise PrecisionError(f"mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} ranks, not {world_size}")
+        raise PrecisionError(
+            f"mesh {shape[0]}x{shape[1]} needs {shape[0] * shape[1]} ranks, not {world_size}; "
+            f"launch {shape[0] * shape[1]} ranks (--world-size / torchrun --nproc-per-node) or pick a mesh whose product is {world_size}"
+        )
     return init_device_mesh(device_type, shape, mesh_dim_names=("replicate", "shard"))
 
 

@@ -124,7 +124,10 @@ def _from_config(file: Path) -> nn.Module:
     try:
         config = transformers.AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file))
     except (OSError, ValueError, KeyError) as exc:
-        raise PrecisionError(f"--model {file}: transformers cannot read this config ({exc})") from None
+        raise PrecisionError(
+            f"--model {file}: transformers cannot read this config ({exc}); check its model_type, and that this "
+            "transformers version knows it (pip install -U transformers)"
+        ) from None
     for candidate in (config, getattr(config, "text_config", None)):  # a multimodal checkpoint: its text tower
         if candidate is None:
             continue
