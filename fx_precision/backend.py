@@ -29,12 +29,12 @@ from fx_precision.autocast import ambient_compute
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
-from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
+from fx_precision.passes.analysis import copy_graph_module
 from fx_precision.passes.annotate import param_names
 from fx_precision.passes.findings import Finding
-from fx_precision.passes.fixed_point import fix_to_fixed_point
 from fx_precision.passes.gather_emulation import InsertedCast
 from fx_precision.passes.kinds import CastKind, severity_rank
+from fx_precision.passes.pipeline import GraphRewrite, Mode, PassContext, run_pipeline
 from fx_precision.passes.repropagate import graph_device_type
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan, unit_label
@@ -69,6 +69,7 @@ class GraphReport:
     stream_after: dict[str, int] = field(default_factory=dict)
     note: str = ""
     rounds: int = 0
+    rewrites: dict[str, int] = field(default_factory=dict)  # graph rewrites after the fix (a contract's), changes each
 
     def casts_of(self, *kinds: CastKind) -> list[InsertedCast]:
         return [c for c in self.casts if c.kind in kinds]
@@ -117,6 +118,7 @@ class GraphReport:
             "stream_after": self.stream_after,
             "note": self.note,
             "rounds": self.rounds,
+            "rewrites": self.rewrites,
         }
 
 
@@ -187,7 +189,8 @@ class PrecisionBackend:
                 filter(None, [report.note, "pass off" if self.mode == "off" else "no autocast and no plan: nothing to enforce"])
             )
         elif self.mode == "lint":
-            analysis = self._analyse(copy_graph_module(gm), example_inputs, compute, report.index, device_type)
+            ctx = self._context(example_inputs, compute, report.index, device_type)
+            analysis = run_pipeline(copy_graph_module(gm), ctx, Mode.REPORT).report_analysis()
             report.before = report.after = analysis.findings
             report.stream_before = report.stream_after = analysis.census.stream
         else:
@@ -210,43 +213,31 @@ class PrecisionBackend:
                     "belongs to another model. Compile the plan for this model (compile_precision / policy.plan)"
                 )
 
-    def _analyse(
-        self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str, emulate: bool = True
-    ) -> GraphAnalysis:
-        return analyse_graph(
-            gm,
-            example_inputs,
-            compute=compute,
-            units=self.units,
-            emulate=emulate and self.plan is not None,
-            index=index,
-            device_type=device_type,
-        )
+    def _context(self, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str) -> PassContext:
+        return PassContext(compute, device_type, self.units, example_inputs=example_inputs, index=index, emulate=self.plan is not None)
+
+    def rewrites(self) -> list[GraphRewrite]:
+        """Graph rewrites after the precision fix (pipeline step 5); none here, a contract adds its own."""
+        return []
 
     def _enforce(
         self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, report: GraphReport, device_type: str
     ) -> None:
-        first = self._analyse(gm, example_inputs, compute, report.index, device_type)
-        fixed = fix_to_fixed_point(
-            gm,
-            first,
-            lambda: self._analyse(gm, example_inputs, compute, report.index, device_type, emulate=False),
-            compute=compute,
-            device_type=device_type,
-        )
-        report.before = fixed.findings
-        report.stream_before = first.census.stream
-        report.casts = fixed.casts
-        report.rounds = fixed.rounds
-        report.after = fixed.final.findings
-        report.stream_after = fixed.final.census.stream
+        result = run_pipeline(gm, self._context(example_inputs, compute, report.index, device_type), Mode.REWRITE, self.rewrites())
+        report.before = result.findings
+        report.stream_before = result.first.census.stream
+        report.casts = result.casts
+        report.rounds = result.rounds
+        report.after = result.final.findings
+        report.stream_after = result.final.census.stream
+        report.rewrites = {name: len(done) for name, done in result.rewrites.items()}
         threshold = "warn" if self.strict else "error"
-        failing = [f for f in fixed.final.findings if severity_rank(f.severity) >= severity_rank(threshold)]
+        failing = [f for f in result.final.findings if severity_rank(f.severity) >= severity_rank(threshold)]
         if failing:
             details = "\n".join(f.explain() for f in failing)
             raise PrecisionError(
                 f"precision_backend (enforce{', strict' if self.strict else ''}): {len(failing)} finding(s) remain after the pass "
-                f"({fixed.rounds} round(s) of casts) in graph {report.index}:\n{details}"
+                f"({result.rounds} round(s) of casts) in graph {report.index}:\n{details}"
             )
 
 

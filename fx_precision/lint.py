@@ -26,11 +26,11 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import fsdp_units
 from fx_precision.module_graph import module_label
-from fx_precision.passes.analysis import GraphAnalysis, analyse_graph, copy_graph_module
+from fx_precision.passes.analysis import GraphAnalysis, copy_graph_module
 from fx_precision.passes.capture import capture_graphs
 from fx_precision.passes.findings import Finding
-from fx_precision.passes.fixed_point import fix_to_fixed_point
 from fx_precision.passes.kinds import Severity, severity_rank
+from fx_precision.passes.pipeline import Mode, PassContext, run_pipeline
 from fx_precision.passes.units import UnitIndex
 from fx_precision.plan import PrecisionPlan, check_plan_matches
 from fx_precision.policy import PrecisionPolicy
@@ -138,11 +138,11 @@ class LintReport:
             ann = g.annotation
             outputs: dict[str, set[str]] = {}
             edges: dict[tuple[str, str], set[str]] = {}
-            for node, info in ann.info.items():
+            for info in ann.info.values():
                 if not info.stream or info.dtype is None:
                     continue
                 outputs.setdefault(info.module, set()).add(dtype_name(info.dtype))
-                for user in node.users:
+                for user in info.consumers:  # as annotated: the graph may have been fixed since
                     target = ann.info[user].module if user.op != "output" else "<graph output>"
                     if target != info.module:
                         edges.setdefault((info.module, target), set()).add(dtype_name(info.dtype))
@@ -224,31 +224,16 @@ def lint(
         )
     report = LintReport(compute, device_type)
     for i, cap in enumerate(captured):
-
-        def analyse(gm: Any, emulate: bool, index: int = i, inputs: list[Any] = cap.example_inputs) -> GraphAnalysis:
-            return analyse_graph(
-                gm,
-                inputs,
-                compute=compute,
-                units=units,
-                known_names=names,
-                emulate=emulate,
-                index=index,
-                fsdp_cast_inputs=fsdp_cast,
-                device_type=device_type,
-            )
-
-        analysis = analyse(cap.gm, plan is not None)
-        if compute is not None and analysis.sources:
-            # the masked sources: fix this graph's sources on a copy, round after round
-            copy = copy_graph_module(cap.gm)
-            fixed = fix_to_fixed_point(
-                copy, analyse(copy, False), lambda c=copy: analyse(c, False), compute=compute, device_type=device_type, narrow_covered=False
-            )
-            # round 0 as analysed here (gather emulation, plan mismatches), less the sources the fixed point
-            # found to be artefacts of the leak; then what surfaced in later rounds
-            real = {f.node for f in fixed.sources}
-            analysis.findings = [f for f in analysis.findings if not f.is_source or f.node in real] + fixed.masked
-            analysis.rounds = fixed.rounds
-        report.graphs.append(analysis)
+        ctx = PassContext(
+            compute,
+            device_type,
+            units,
+            example_inputs=cap.example_inputs,
+            known_names=names,
+            index=i,
+            emulate=plan is not None,
+            fsdp_cast_inputs=fsdp_cast,
+        )
+        # every round on a copy: the findings of the graph as traced, then the masked ones
+        report.graphs.append(run_pipeline(copy_graph_module(cap.gm), ctx, Mode.REPORT).report_analysis())
     return report

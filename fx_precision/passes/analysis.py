@@ -1,4 +1,4 @@
-"""The one analysis that ``lint`` and ``precision_backend`` share.
+"""One analysis of one graph: the first step of the pass pipeline, and how every later step re-reads it.
 
     analyse_graph(gm)
     ├── annotate                   dtype, module, unit, parameter of every node (annotate.py)
@@ -7,8 +7,7 @@
     ├── findings                   sources, explicit upcasts, wide inputs, round trips, plan, gathers
     └── census                     float nodes / stream tensors by dtype, wide stream bytes
 
-The backend then casts the sources' outputs, re-propagates and calls ``analyse_graph`` again to
-verify; ``lint`` stops here.
+``pipeline.run_pipeline`` calls it first (with gather emulation) and again after each rewrite.
 """
 
 from __future__ import annotations

@@ -70,6 +70,7 @@ class NodeInfo:
     wide: bool = False
     stream: bool = False
     unit: str | None = None
+    consumers: tuple[fx.Node, ...] = ()  # the node's users when annotated (a later pass may insert casts between)
 
     @property
     def name(self) -> str:
@@ -89,12 +90,24 @@ class GraphAnnotation:
     gm: fx.GraphModule
     compute: torch.dtype | None
     info: dict[fx.Node, NodeInfo] = field(default_factory=dict)
+    _names: dict[str, NodeInfo] = field(default_factory=dict, repr=False)
+
+    def get(self, name: str) -> NodeInfo | None:
+        """The node named ``name``, by a dict built once per annotation (kept in step by ``forget``)."""
+        if len(self._names) != len(self.info):
+            self._names = {node.name: info for node, info in self.info.items()}
+        return self._names.get(name)
 
     def by_name(self, name: str) -> NodeInfo:
-        for node, info in self.info.items():
-            if node.name == name:
-                return info
-        raise KeyError(name)
+        info = self.get(name)
+        if info is None:
+            raise KeyError(name)
+        return info
+
+    def forget(self, node: fx.Node) -> None:
+        """Drop a node a pass erased from the graph."""
+        self.info.pop(node, None)
+        self._names.pop(node.name, None)
 
     def chain(self, start: NodeInfo, stop: str | None = None) -> list[NodeInfo]:
         """``start`` back to its source along wide parents (one entry per module run, and the source)."""
@@ -156,7 +169,7 @@ def annotate(
     for node in gm.graph.nodes:
         dtype = node_dtype(node)
         module = module_path(node)
-        info = NodeInfo(node, dtype, module, NodeKind.OTHER)
+        info = NodeInfo(node, dtype, module, NodeKind.OTHER, consumers=tuple(node.users))
         ann.info[node] = info
         if node.op == "output":
             continue

@@ -20,13 +20,13 @@ leak: at the fixed point its finding is dropped, its casts removed, and the find
 mask are attributed to the real sources of its round. A source that surfaces in round k records
 ``round=k`` and ``masked_by``: the earlier-round sources its value came from. Every round casts
 at least one node and a cast source is contained afterwards, so the loop ends; ``MAX_ROUNDS``
-bounds it anyway. ``lint`` runs this on a copy of the graph; the backend on the graph it compiles.
+bounds it anyway. ``pipeline.run_pipeline`` runs it as its second and third steps.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 from torch import fx
@@ -34,20 +34,20 @@ from torch import fx
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, settle_rewrite
-from fx_precision.passes.annotate import NodeInfo
-from fx_precision.passes.covered_narrowing import narrow_covered_stream
 from fx_precision.passes.findings import Finding
 from fx_precision.passes.gather_emulation import InsertedCast
 from fx_precision.passes.kinds import CastKind
-from fx_precision.passes.repropagate import repropagate
 from fx_precision.passes.source_casts import cast_sources
+
+if TYPE_CHECKING:
+    from fx_precision.passes.pipeline import PassContext
 
 MAX_ROUNDS = 32
 
 
 @dataclass
 class FixedPoint:
-    """The outcome of ``fix_to_fixed_point`` on one graph.
+    """The outcome of ``fix_sources`` on one graph.
 
     ``findings``: round 0's findings (the graph as traced) followed by every finding that surfaced
     in a later round, each marked with its round and what masked it. ``final``: the analysis at
@@ -64,30 +64,12 @@ class FixedPoint:
     def sources(self) -> list[Finding]:
         return [f for f in self.findings if f.is_source]
 
-    @property
-    def masked(self) -> list[Finding]:
-        return [f for f in self.findings if f.masked]
 
-
-def fix_to_fixed_point(
-    gm: fx.GraphModule,
-    first: GraphAnalysis,
-    reanalyse: Callable[[], GraphAnalysis],
-    *,
-    compute: torch.dtype | None,
-    device_type: str | None,
-    max_rounds: int = MAX_ROUNDS,
-    narrow_covered: bool = True,
-) -> FixedPoint:
-    """Cast ``first``'s sources in ``gm``, re-analyse, repeat until no new source appears.
-
-    ``first`` must be an analysis of ``gm`` itself (its nodes are the ones cast); ``reanalyse``
-    analyses ``gm`` again, without gather emulation. ``compute=None``: nothing to cast.
-    ``narrow_covered``: last, narrow at their producers the wide module-crossing tensors that only
-    autocast-covered ops use (``covered_narrowing``: the same numbers); lint, which keeps no graph,
-    skips it.
-    """
+def fix_sources(gm: fx.GraphModule, first: GraphAnalysis, ctx: PassContext, max_rounds: int = MAX_ROUNDS) -> FixedPoint:
+    """Cast ``first``'s sources in ``gm`` (``first`` analysed ``gm`` itself), re-analyse with
+    ``ctx``, repeat until no new source appears. ``ctx.compute=None``: nothing to cast."""
     result = FixedPoint(first, first, list(first.findings), [*first.gather_casts, *first.retargeted])
+    compute = ctx.compute
     if compute is None:
         return result
     seen = {(f.code, f.node) for f in first.findings}
@@ -105,29 +87,31 @@ def fix_to_fixed_point(
         inserted = cast_sources(current.annotation, pending, compute)
         if not inserted:
             break  # sources whose value cannot be cast at their op: enforce reports them
-        result.casts += inserted + settle_rewrite(gm, inserted, compute, device_type, before=current.annotation)
+        result.casts += inserted + settle_rewrite(gm, inserted, compute, ctx.device_type, before=current.annotation)
         result.rounds += 1
-        previous, current = current, reanalyse()
+        previous, current = current, ctx.analyse(gm)
         result.final = current
         masking = {f.node for f in pending}
         for finding in current.findings:
             if (finding.code, finding.node) in seen:
                 continue
             seen.add((finding.code, finding.node))
-            traced = _node_info(previous, finding.node)
+            traced = previous.annotation.get(finding.node)
             masked_by = tuple(sorted(masking & traced.origin)) if traced is not None else ()
             result.findings.append(replace(finding, round=result.rounds, masked_by=masked_by))
-    _drop_artefacts(gm, result, compute)
-    if narrow_covered:
-        narrowed = narrow_covered_stream(result.final.annotation, compute)
-        if narrowed:
-            repropagate(gm, compute, device_type)  # consumers cast to compute anyway: nothing follows these dtypes
-            result.casts += narrowed
-            result.final = reanalyse()
     return result
 
 
-def _drop_artefacts(gm: fx.GraphModule, result: FixedPoint, compute: torch.dtype) -> None:
+class _Fixed(Protocol):
+    final: GraphAnalysis
+    findings: list[Finding]
+    casts: list[InsertedCast]
+
+    @property
+    def sources(self) -> list[Finding]: ...
+
+
+def drop_artefacts(gm: fx.GraphModule, result: _Fixed, compute: torch.dtype) -> None:
     """Remove the sources that upstream fixes made narrow by themselves (see the module docstring)."""
     final = result.final.annotation
     fixing: dict[str, list[InsertedCast]] = {}
@@ -137,7 +121,7 @@ def _drop_artefacts(gm: fx.GraphModule, result: FixedPoint, compute: torch.dtype
     artefacts: dict[str, int] = {}
     for finding in result.sources:
         casts = fixing.get(finding.node, [])
-        subjects = [_node_info(result.final, c.of) for c in casts]
+        subjects = [final.get(c.of) for c in casts]
         if casts and all(s is not None and s.dtype is not None and s.dtype.itemsize <= compute.itemsize for s in subjects):
             artefacts[finding.node] = finding.round  # every cast that fixed it ended a no-op
     if not artefacts:
@@ -162,13 +146,6 @@ def _drop_artefacts(gm: fx.GraphModule, result: FixedPoint, compute: torch.dtype
         node = nodes[cast.node]
         node.replace_all_uses_with(node.args[0])
         gm.graph.erase_node(node)
-        final.info.pop(node, None)
+        final.forget(node)
     result.casts = [c for c in result.casts if c.fixes not in artefacts]
     gm.recompile()
-
-
-def _node_info(analysis: GraphAnalysis, name: str) -> NodeInfo | None:
-    try:
-        return analysis.annotation.by_name(name)
-    except KeyError:
-        return None
