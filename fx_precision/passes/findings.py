@@ -30,6 +30,7 @@ from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, 
 from fx_precision.passes.graph_nodes import is_cast, node_dtype, node_value, op_name, source_line
 from fx_precision.passes.kinds import NodeKind, Severity
 from fx_precision.passes.units import UnitIndex
+from fx_precision.plan import ParamPlan
 
 CODES = {
     UNCOVERED: "FXP001",
@@ -116,7 +117,7 @@ def graph_findings(
     *,
     graph_index: int = 0,
     fsdp_cast_inputs: bool | None = None,
-    mismatches: list[tuple[NodeInfo, torch.dtype]] | None = None,
+    mismatches: list[tuple[NodeInfo, ParamPlan]] | None = None,
 ) -> list[Finding]:
     compute = ann.compute
     out: list[Finding] = []
@@ -200,23 +201,48 @@ def graph_findings(
                 )
             )
     out.extend(_round_trips(ann, graph_index))
-    for info, planned in mismatches or []:
+    out.extend(_plan_mismatches(mismatches or [], graph_index))
+    out.extend(_wide_gathers(ann, units, graph_index))
+    return out
+
+
+def _plan_mismatches(mismatches: list[tuple[NodeInfo, ParamPlan]], graph_index: int) -> list[Finding]:
+    """FXP202: one finding per parameter, or one per cause when several parameters share it (a model
+    built or loaded at another dtype than its plan's masters mismatches every parameter alike)."""
+    groups: dict[tuple[torch.dtype | None, torch.dtype, torch.dtype], list[NodeInfo]] = {}
+    for info, planned in mismatches:
+        groups.setdefault((info.dtype, planned.gather, planned.master), []).append(info)
+    out = []
+    for (seen, gather, master), infos in groups.items():
+        first = infos[0]
+        if len(infos) == 1:
+            message = f"parameter {first.param} is seen at {dtype_name(seen)}, the plan gathers it at {dtype_name(gather)}"
+            fix = "apply the same plan with apply_fsdp2, or recompile the plan for this model"
+        else:
+            names = ", ".join(str(i.param) for i in infos[:3]) + (f" and {len(infos) - 3} more" if len(infos) > 3 else "")
+            message = (
+                f"{len(infos)} parameters ({names}) are seen at {dtype_name(seen)}; the plan holds them as {dtype_name(master)} "
+                f"masters gathered at {dtype_name(gather)}: the model was built or loaded at {dtype_name(seen)}"
+            )
+            fix = (
+                f"convert the model to its master dtype before analysing it (model.to({master}), or load it with "
+                f"dtype={master}), or apply the plan with apply_fsdp2, which does"
+            )
         out.append(
             Finding(
                 code=CODES["plan-mismatch"],
                 severity=Severity.WARN,
                 kind="plan-mismatch",
-                module=info.module,
-                unit=info.unit,
-                node=info.name,
-                source_line=info.line,
+                module=first.module,
+                unit=first.unit,
+                node=first.name,
+                source_line=first.line,
                 chain=(),
-                message=f"parameter {info.param} is seen at {dtype_name(info.dtype)}, the plan gathers it at {dtype_name(planned)}",
+                message=message,
                 graph=graph_index,
-                suggestion="apply the same plan with apply_fsdp2, or recompile the plan for this model",
+                suggestion=fix,
             )
         )
-    out.extend(_wide_gathers(ann, units, graph_index))
     return out
 
 

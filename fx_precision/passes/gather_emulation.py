@@ -22,6 +22,7 @@ from fx_precision.passes.annotate import GraphAnnotation, NodeInfo
 from fx_precision.passes.graph_nodes import redirect_through_cast
 from fx_precision.passes.kinds import CastKind
 from fx_precision.passes.units import UnitIndex
+from fx_precision.plan import ParamPlan
 
 
 @dataclass(frozen=True)
@@ -42,12 +43,12 @@ class InsertedCast:
         return {**asdict(self), "frm": dtype_name(self.frm), "to": dtype_name(self.to), "kind": str(self.kind)}
 
 
-def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[InsertedCast], list[tuple[NodeInfo, torch.dtype]]]:
+def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[InsertedCast], list[tuple[NodeInfo, ParamPlan]]]:
     """Insert ``param.to(gather)`` for parameters seen at master dtype; return (casts, mismatches)."""
     graph = ann.gm.graph
     first_op = next(n for n in graph.nodes if n.op != "placeholder")
     casts: list[InsertedCast] = []
-    mismatches: list[tuple[NodeInfo, torch.dtype]] = []
+    mismatches: list[tuple[NodeInfo, ParamPlan]] = []
     for node, info in list(ann.info.items()):
         if info.kind != "weight" or info.param_kind != "parameter" or info.param is None or info.dtype is None:
             continue
@@ -55,7 +56,7 @@ def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[Insert
         if planned is None or info.dtype == planned.gather:
             continue
         if info.dtype != planned.master:
-            mismatches.append((info, planned.gather))
+            mismatches.append((info, planned))
             continue
         cast = redirect_through_cast(node, planned.gather, before=first_op)
         casts.append(

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
-from fx_precision.tools.zoo import _transformers
+from fx_precision.tools.zoo import require_transformers
 
 _DIMS: dict[str, Any] = dict(
     vocab_size=256,
@@ -64,7 +64,7 @@ class Arch:
     batch: int = 2
 
     def build(self, seed: int = 0) -> nn.Module:
-        transformers = _transformers()
+        transformers = require_transformers()
         kwargs = {**_DIMS, **self.overrides}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None: the config has no such field
         try:

@@ -43,6 +43,12 @@ class CensusConfig:
     mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards); None: a 1-D mesh over every rank
     plain_wrap: bool = False  # reference: plain per-layer fully_shard with MixedPrecisionPolicy(fp32, fp32)
 
+    def build_dtype(self) -> Any:
+        """What a checkpoint config is built at: the master dtype (None, "as loaded": what the file stores)."""
+        from fx_precision.dtypes import parse_dtype
+
+        return parse_dtype(self.master) if self.master else None
+
     def policy(self, model: Any) -> PrecisionPolicy:
         spec = parse_precision_rules(self.rules)
         if self.arch_rules:
@@ -77,7 +83,7 @@ def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> l
     out = []
     device = rank_device(rank)  # the CPU, or this rank's GPU under --device cuda
     for cfg in configs:
-        model = build_model(cfg.model, seed=cfg.seed).to(device)
+        model = build_model(cfg.model, seed=cfg.seed, dtype=cfg.build_dtype()).to(device)
         policy = cfg.policy(model)
         mesh = cpu_mesh(world_size, cfg.mesh, device.type)
         if cfg.plain_wrap:

@@ -116,11 +116,15 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
+    import torch
+
+    from fx_precision.dtypes import axis_dtype
     from fx_precision.lowering import compile_precision
     from fx_precision.spec import parse_precision_rules
-    from fx_precision.tools.zoo import build_model
+    from fx_precision.tools.zoo import build_model, model_note
 
-    model = build_model(args.model, device="meta")
+    built = axis_dtype(args.master, "--master") if args.master else torch.float32  # a checkpoint: at the master dtype
+    model = build_model(args.model, device="meta", dtype=built)
     plan = compile_precision(
         model,
         parse_precision_rules(args.rules),
@@ -128,7 +132,8 @@ def cmd_plan(args: argparse.Namespace) -> int:
         default_master=args.master,
         wrap=args.wrap or (),
     )
-    _emit(args, plan.to_dict(), plan.explain)
+    note = model_note(args.model, built)
+    _emit(args, {**plan.to_dict(), "model_source": note}, lambda: (f"{note}\n" if note else "") + plan.explain())
     return 0
 
 
@@ -205,6 +210,7 @@ def _mesh(args: argparse.Namespace) -> tuple[int, int] | None:
 
 def cmd_census(args: argparse.Namespace) -> int:
     from fx_precision.tools.census_driver import run_census
+    from fx_precision.tools.zoo import model_note
 
     if args.device == "cuda":
         import torch
@@ -221,7 +227,10 @@ def cmd_census(args: argparse.Namespace) -> int:
     ranks = int(os.environ["WORLD_SIZE"]) if launched() else args.world_size
     data = {"model": cfg.model, "world_size": ranks, "launcher": launched(), "policy": policy, **result.to_dict()}
     kind = "NCCL (cuda)" if args.device == "cuda" else "gloo"
-    _emit(args, data, lambda: f"{cfg.model} on {ranks} {kind} rank(s); policy: {policy}\n{result.render(top=args.top)}")
+    note = model_note(cfg.model, cfg.build_dtype())
+    data["model_source"] = note
+    head = f"{cfg.model} on {ranks} {kind} rank(s); policy: {policy}" + (f"\n{note}" if note else "")
+    _emit(args, data, lambda: f"{head}\n{result.render(top=args.top)}")
     return 0
 
 
@@ -249,15 +258,16 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 def cmd_lint(args: argparse.Namespace) -> int:
     from fx_precision.lint import lint
-    from fx_precision.tools.zoo import build_model, config_path, forward_kwargs, token_batch
+    from fx_precision.tools.zoo import build_model, forward_kwargs, is_checkpoint_path, model_note, token_batch
 
     cfg: CensusConfig = _census_config(args)
     if args.dot:
         folder = os.path.dirname(os.path.abspath(args.dot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise PrecisionError(f"--dot {args.dot}: the folder {folder} does not exist or is not writable; create it or pick another path")
-    meta = args.meta or args.model == "qwen3_5-4b" or config_path(args.model) is not None
-    model = build_model(args.model, device="meta" if meta else None)
+    meta = args.meta or args.model == "qwen3_5-4b" or is_checkpoint_path(args.model)
+    model = build_model(args.model, device="meta" if meta else None, dtype=cfg.build_dtype())
+    note = model_note(args.model, cfg.build_dtype())
     policy = cfg.policy(model)
     plan = policy.plan(model, wrap=args.wrap or ())
     ids = token_batch(model, batch=args.batch, seq_len=args.seq_len)
@@ -271,7 +281,8 @@ def cmd_lint(args: argparse.Namespace) -> int:
     if args.dot:
         with open(args.dot, "w") as f:
             f.write(report.to_dot())
-    _emit(args, report.to_dict(), lambda: f"{args.model}{' (meta)' if meta else ''}; policy: {policy.describe()}\n{report.render()}")
+    head = f"{args.model}{' (meta)' if meta else ''}; policy: {policy.describe()}" + (f"\n{note}" if note else "")
+    _emit(args, {**report.to_dict(), "model_source": note}, lambda: f"{head}\n{report.render()}")
     return 1 if report.reaches(args.fail_on) else 0
 
 

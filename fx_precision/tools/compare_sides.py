@@ -38,7 +38,7 @@ class SideConfig:
 
 def shared_model(name: str, seed: int = 0) -> nn.Module:
     """The model both sides start from: fp32 masters rounded to bf16-representable values."""
-    model = build_model(name, seed=seed)
+    model = build_model(name, seed=seed, dtype=torch.float32)
     with torch.no_grad():
         for p in model.parameters():
             if p.is_floating_point():

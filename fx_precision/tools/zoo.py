@@ -27,7 +27,7 @@ from fx_precision.tools.toy_decoder import ToyDecoder
 HF_INSTALL_HINT = "pip install 'fx_precision[hf]' (or: pip install transformers)"
 
 
-def _transformers() -> Any:
+def require_transformers() -> Any:
     try:
         import transformers
     except ImportError as exc:  # transformers is an optional extra
@@ -42,7 +42,7 @@ def qwen3_5_config(name: str) -> Any:
     256, linear attention 16 key / 32 value heads of 128, every 4th layer full attention); the
     embedding is left untied so that an embedding gather rule does not also select ``lm_head``.
     """
-    transformers = _transformers()
+    transformers = require_transformers()
     tied = name.endswith("-tied")
     name = name.removesuffix("-tied")
     if name == "qwen3_5-tiny":
@@ -86,7 +86,7 @@ def qwen3_5_config(name: str) -> Any:
 
 def _qwen3_5(name: str) -> Callable[[], nn.Module]:
     def build() -> nn.Module:
-        transformers = _transformers()
+        transformers = require_transformers()
         return transformers.Qwen3_5ForCausalLM(qwen3_5_config(name))
 
     return build
@@ -118,32 +118,28 @@ def config_path(name: str) -> Path | None:
     return None
 
 
-def _from_config(file: Path) -> nn.Module:
-    """A causal LM built from a transformers config file (random weights, no download)."""
-    transformers = _transformers()
-    try:
-        config = transformers.AutoConfig.from_pretrained(str(file.parent) if file.name == "config.json" else str(file))
-    except (OSError, ValueError, KeyError) as exc:
-        raise PrecisionError(
-            f"--model {file}: transformers cannot read this config ({exc}); check its model_type, and that this "
-            "transformers version knows it (pip install -U transformers)"
-        ) from None
-    for candidate in (config, getattr(config, "text_config", None)):  # a multimodal checkpoint: its text tower
-        if candidate is None:
-            continue
-        try:
-            return transformers.AutoModelForCausalLM.from_config(candidate)
-        except ValueError:
-            continue
-    raise PrecisionError(f"--model {file}: model_type {config.model_type!r} has no causal-LM class in this transformers")
+def is_checkpoint_path(name: str) -> bool:
+    """A filesystem path (a directory or a .json file), as opposed to a built-in name or a factory."""
+    return name not in BUILTIN and (os.sep in name or name.endswith(".json") or Path(name).expanduser().exists())
 
 
-def _factory(name: str) -> Callable[[], nn.Module]:
+def model_note(name: str, dtype: torch.dtype | None) -> str | None:
+    """For a checkpoint path: which dtype its config stores and which the model is built at."""
+    if not is_checkpoint_path(name):
+        return None
+    from fx_precision.tools.checkpoint import read_checkpoint_config
+
+    return read_checkpoint_config(name).describe(dtype)
+
+
+def _factory(name: str, dtype: torch.dtype | None) -> Callable[[], nn.Module]:
     if name in BUILTIN:
         return BUILTIN[name]
-    file = config_path(name)
-    if file is not None:
-        return lambda: _from_config(file)
+    if is_checkpoint_path(name):
+        from fx_precision.tools.checkpoint import build_from_config, read_checkpoint_config
+
+        cc = read_checkpoint_config(name)  # checked here: a bad config is refused before anything is built
+        return lambda: build_from_config(cc, dtype=dtype)
     if ":" not in name:
         raise PrecisionError(f"--model {name!r}: unknown model; {MODEL_HELP}")
     module_name, _, attr = name.partition(":")
@@ -160,9 +156,15 @@ def _factory(name: str) -> Callable[[], nn.Module]:
     return factory
 
 
-def build_model(name: str, *, seed: int = 0, device: str | torch.device | None = None) -> nn.Module:
-    """Build a model by built-in name, ``package.module:factory`` or config path; ``device="meta"`` allocates nothing."""
-    factory = _factory(name)
+def build_model(
+    name: str, *, seed: int = 0, device: str | torch.device | None = None, dtype: torch.dtype | None = torch.float32
+) -> nn.Module:
+    """Build a model by built-in name, ``package.module:factory`` or config path; ``device="meta"`` allocates nothing.
+
+    ``dtype``: what a checkpoint config is built at, the run's master dtype (None: what the file stores);
+    built-in names and factories build what they build.
+    """
+    factory = _factory(name, dtype)
     torch.manual_seed(seed)
     try:
         with torch.device(device) if device is not None else contextlib.nullcontext():
