@@ -53,6 +53,9 @@ _EXPORTS: dict[str, str] = {
     "Comparison": "fx_precision.compare",
     "Side": "fx_precision.compare",
     "make_precision_backend": "fx_precision.backend",
+    "eager_casts": "fx_precision.eager_fix",
+    "EagerFix": "fx_precision.eager_fix",
+    "EagerHook": "fx_precision.eager_fix",
     "precision_backend": "fx_precision.backend",
 }
 __all__ = sorted(_EXPORTS)

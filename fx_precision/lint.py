@@ -178,23 +178,19 @@ def _units_for(plan: PrecisionPlan | None, wrapped: list[tuple[str, Any]]) -> Un
     return UnitIndex.from_units({"": None})
 
 
-def lint(
-    model: nn.Module,
-    *args: Any,
-    policy: PrecisionPolicy | None = None,
-    plan: PrecisionPlan | None = None,
-    dynamic: bool = False,
-    device_type: str | None = None,
-    **kwargs: Any,
-) -> LintReport:
-    """Capture ``model(*args, **kwargs)`` with Dynamo and analyse every graph.
+@dataclass(frozen=True)
+class GraphSetup:
+    """How a model's graphs are analysed: the compute dtype, whose autocast lists, units, FSDP2 re-cast."""
 
-    ``policy=None``: the compute dtype is the ambient ``torch.autocast`` state. ``plan``: unit
-    attribution, and gather emulation for parameters the graph sees at master dtype (one device,
-    no FSDP2). ``device_type``: whose autocast op lists apply (default: the model's device; for a
-    meta model ``cpu`` unless an ambient ``cuda`` autocast says otherwise). Works on real
-    tensors, meta-device models and fake tensors.
-    """
+    compute: torch.dtype | None
+    device_type: str
+    units: UnitIndex
+    fsdp_cast: bool | None
+
+
+def graph_setup(model: nn.Module, policy: PrecisionPolicy | None, plan: PrecisionPlan | None, device_type: str | None) -> GraphSetup:
+    """The compute dtype (the policy's, else the ambient autocast) and device type, checked; the units
+    (plan, else the model's FSDP2 units, else the root); whether FSDP2 re-casts unit inputs."""
     if device_type is not None and device_type not in ("cpu", "cuda"):
         raise PrecisionError(f"lint(device_type={device_type!r}): autocast op lists exist for 'cpu' and 'cuda'; pass one of them")
     if device_type == "cuda" and not torch.cuda.is_available():
@@ -215,8 +211,29 @@ def lint(
     if device_type == "meta":
         raise PrecisionError("device_type='meta' has no autocast op lists; pass device_type='cpu' or 'cuda'")
     wrapped = fsdp_units(model)
-    units = _units_for(plan, wrapped)
     fsdp_cast = any(mp.cast_forward_inputs for _, mp in wrapped) if wrapped else None
+    return GraphSetup(compute, device_type, _units_for(plan, wrapped), fsdp_cast)
+
+
+def lint(
+    model: nn.Module,
+    *args: Any,
+    policy: PrecisionPolicy | None = None,
+    plan: PrecisionPlan | None = None,
+    dynamic: bool = False,
+    device_type: str | None = None,
+    **kwargs: Any,
+) -> LintReport:
+    """Capture ``model(*args, **kwargs)`` with Dynamo and analyse every graph.
+
+    ``policy=None``: the compute dtype is the ambient ``torch.autocast`` state. ``plan``: unit
+    attribution, and gather emulation for parameters the graph sees at master dtype (one device,
+    no FSDP2). ``device_type``: whose autocast op lists apply (default: the model's device; for a
+    meta model ``cpu`` unless an ambient ``cuda`` autocast says otherwise). Works on real
+    tensors, meta-device models and fake tensors.
+    """
+    setup = graph_setup(model, policy, plan, device_type)
+    compute, device_type = setup.compute, setup.device_type
     # a policy without compute dtype overrides an ambient autocast: trace with autocast off
     with torch.autocast(device_type, enabled=False) if compute is None else contextlib.nullcontext():
         captured, names = capture_graphs(
@@ -227,12 +244,12 @@ def lint(
         ctx = PassContext(
             compute,
             device_type,
-            units,
+            setup.units,
             example_inputs=cap.example_inputs,
             known_names=names,
             index=i,
             emulate=plan is not None,
-            fsdp_cast_inputs=fsdp_cast,
+            fsdp_cast_inputs=setup.fsdp_cast,
         )
         # every round on a copy: the findings of the graph as traced, then the masked ones
         report.graphs.append(run_pipeline(copy_graph_module(cap.gm), ctx, Mode.REPORT).report_analysis())

@@ -18,6 +18,11 @@ _COUNTS: dict[str, int] = {}
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption(
+        "--slow",
+        action="store_true",
+        help="the sweep over every architecture of the zoo (the default run sweeps one per family of patterns)",
+    )
+    parser.addoption(
         "--without-transformers",
         action="store_true",
         help="hide the transformers package (as on an install without the dev extra); tests that need it are skipped",

@@ -143,3 +143,46 @@ def per_block_compile(rank: int, world_size: int, cast_forward_inputs: bool) -> 
         "grad_dtypes": grads,
         "logits_dtype": logits.dtype,
     }
+
+
+def per_block_eager_fix(rank: int, world_size: int, arch_name: str, eager_fix: bool) -> dict[str, Any] | None:
+    """A transformers architecture under FSDP2 (resolve_policy, bf16 autocast), each decoder layer
+    compiled alone with precision_backend (aot_eager): fp32 stream nodes per block graph, with or
+    without the derived eager hooks on what runs eagerly around the blocks; one fwd+bwd."""
+    from torch._dynamo import lookup_backend
+
+    from fx_precision.backend import make_precision_backend
+    from fx_precision.eager_fix import eager_casts
+    from fx_precision.tools.arch_zoo import arch
+    from fx_precision.tools.sweep import fp32_stream_nodes
+
+    spec = arch(arch_name)
+    model = spec.build()
+    policy = resolve_policy(model, gather="fp32", compute="bf16")
+    plan = policy.plan(model, wrap=layer_wrap_globs(model))
+    ids = torch.randint(0, model.config.vocab_size, (spec.batch, 8), generator=torch.Generator().manual_seed(rank))
+    fix = eager_casts(model, input_ids=ids, policy=policy, plan=plan) if eager_fix else None
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
+    if fix is not None:
+        fix.apply(model)
+    streams: list[int] = []
+    inner = lookup_backend("aot_eager")
+
+    def counting(gm: Any, example_inputs: Any) -> Any:
+        streams.append(len(fp32_stream_nodes(gm)))
+        return inner(gm, example_inputs)
+
+    backend = make_precision_backend(plan=plan, inner=counting)
+    for layer in model.get_submodule(layer_wrap_globs(model)[0].removesuffix(".*")).children():
+        layer.compile(backend=backend)
+    with policy.forward_context("cpu"):
+        logits = logits_of(model(input_ids=ids, use_cache=False))
+    logits.float().pow(2).mean().backward()
+    if rank != 0:
+        return None
+    return {
+        "block_fp32_stream": streams,
+        "wide_inputs": [f.message for r in backend.reports for f in r.before if f.kind == "wide-input" and f.severity == "warn"],
+        "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
+        "hooks": len(fix.hooks) if fix is not None else 0,
+    }

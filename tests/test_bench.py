@@ -52,7 +52,16 @@ def test_bench_cli_on_the_hand_written_decoder(tmp_path: object) -> None:
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.load(open(out))
     rows = {r["variant"]: r for r in data["variants"]}
-    assert list(rows) == ["eager as-is", "eager both fixes", "inductor", "precision_backend + plan", "precision_backend", "pure bf16 limit"]
+    assert list(rows) == [
+        "eager as-is",
+        "eager both fixes",
+        "inductor",
+        "precision_backend + plan",
+        "precision_backend",
+        "pure bf16 limit",
+        "per-block backend",
+        "per-block backend + eager fix",
+    ]
     assert {"cpu", "cpu_native_bf16", "torch"} <= set(data["machine"])
     for r in rows.values():
         assert r["step_seconds"]["n"] == 1 and r["tokens_per_second"] > 0 and "time_vs_inductor" in r
@@ -67,5 +76,8 @@ def test_bench_cli_on_the_hand_written_decoder(tmp_path: object) -> None:
         assert r["saved_activation_bytes_total"] < rows["inductor"]["saved_activation_bytes_total"], name
         assert r["pass_seconds"] > 0 and r["compile_seconds"] > 0
     assert "fp32-stream kernels" in result.stdout and "precision_backend + plan" in result.stdout
+    # each block compiled alone: the eager embedding's fp32 stream reaches every block, unless the derived hooks narrow it
+    assert rows["per-block backend"]["kernels"]["kernels_touching_fp32_activations"] > 0
+    assert rows["per-block backend + eager fix"]["kernels"]["kernels_touching_fp32_activations"] == 0
     gathered = [c for c in rows["precision_backend + plan"]["casts"] if c["kind"] == "gather-emulation"]
     assert [c["of"] for c in gathered] == ["tok_embeddings.weight"]

@@ -112,3 +112,16 @@ def test_a_config_the_project_cannot_honour_is_one_line_exit_2(
 def test_a_directory_without_config_json_says_so(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["plan", "--model", str(tmp_path)]) == 2
     assert "has no config.json" in capsys.readouterr().err
+
+
+@pytest.mark.needs_transformers
+def test_a_model_loaded_at_another_dtype_than_its_masters_is_one_plan_mismatch(tmp_path: Path) -> None:
+    """Built as stored (bf16) under a plan that holds fp32 masters: every parameter mismatches for one
+    reason, which FXP202 says once, with the count and the fix."""
+    model = build_model(str(_copy("qwen3-4b", tmp_path, strip_dtype=False, layers=2)), device="meta", dtype=None)
+    plan = fxp.compile_precision(model, fxp.PrecisionSpec(), default_gather="fp32", default_master="fp32")
+    report = fxp.lint(model, torch.zeros(1, 8, dtype=torch.long), policy=fxp.PrecisionPolicy(compute=torch.bfloat16), plan=plan)
+    (mismatch,) = report.by_kind("plan-mismatch")
+    n = sum(1 for p in model.parameters() if p.is_floating_point())
+    assert mismatch.message.startswith(f"{n} parameters (") and "built or loaded at bf16" in mismatch.message
+    assert "torch.float32" in (mismatch.suggestion or "")

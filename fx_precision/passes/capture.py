@@ -111,3 +111,60 @@ def capture_graphs(
             "or did every frame fall back to eager?"
         )
     return graphs, names
+
+
+ModuleIO = dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]]
+
+
+class _Recorded(Exception):
+    """Every module asked for has returned: the rest of the forward is not needed."""
+
+
+def fake_forward_io(
+    model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, device_type: str, autocast: Any, modules: set[str]
+) -> ModuleIO:
+    """One eager forward (fake tensors for a meta model; no_grad otherwise) recording, for each module
+    FQN in ``modules``, the output tensors of its first call: ``(path, shape, dtype)``. It stops as
+    soon as the last of them returns. How a graph node of a module is found among that module's
+    outputs (the eager fix hooks outputs by path)."""
+    from fx_precision.census import iter_tensors
+
+    seen: ModuleIO = {}
+    handles = []
+    if not modules:
+        return seen
+
+    def recorder(fqn: str) -> Any:
+        def hook(_module: nn.Module, _args: Any, output: Any) -> None:
+            if fqn not in seen:
+                seen[fqn] = [(path, tuple(int(s) for s in t.shape), t.dtype) for path, t in iter_tensors(output, "out")]
+            if modules <= seen.keys():
+                raise _Recorded
+
+        return hook
+
+    for fqn, module in model.named_modules():
+        if fqn in modules:
+            handles.append(module.register_forward_hook(recorder(fqn)))
+    try:
+        if _is_meta(model):
+            fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
+
+            def to_fake(x: Any) -> Any:
+                if isinstance(x, torch.Tensor):
+                    with fake_mode:
+                        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device_type)
+                return x
+
+            fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+            with _fake_weights(model, fake_mode, device_type), fake_mode, torch.no_grad(), autocast:
+                model(*fake_args, **fake_kwargs)
+        else:
+            with torch.no_grad(), autocast:
+                model(*args, **kwargs)
+    except _Recorded:
+        pass
+    finally:
+        for handle in handles:
+            handle.remove()
+    return seen

@@ -108,7 +108,11 @@ def _input_cause(info: NodeInfo, fsdp_cast_inputs: bool | None) -> str:
         return "an fp32 table such as RoPE cos/sin (intended; reported, never cast)"
     if fsdp_cast_inputs:
         return "FSDP2 cast_forward_inputs=True re-cast this unit's inputs to its gather dtype; under autocast set cast_forward_inputs=False"
-    return "the caller passed a wide tensor (under FSDP2: cast_forward_inputs re-casts unit inputs to the gather dtype)"
+    return (
+        "a tensor made outside this graph: a module run eagerly before this compiled block (an embedding, a norm) emitted it "
+        "wide; fxp.eager_casts(model, ...) / policy.apply_eager_fix(model, ...) derives the hook that narrows it where it is "
+        "made (under FSDP2 with cast_forward_inputs=True, the unit's boundary re-cast does the same: set it False under autocast)"
+    )
 
 
 def graph_findings(

@@ -9,12 +9,12 @@
     4. narrow covered   wide module-crossing tensors that only autocast-covered ops
                         use, cast once at their producer        [rewrite mode only]   (covered_narrowing.py)
     5. graph rewrites   passes a caller adds (the engine contract)  [rewrite mode]    (GraphRewrite)
-    6. verify           the final analysis: what remains is what enforce judges
+    6. verify           the final analysis: what remains is what enforce judges   [rewrite mode only]
 
 ``lint`` runs it on a copy of each captured graph in ``Mode.REPORT`` (steps 1-3: the findings of
 every round, the graph it keeps is thrown away); the backend runs it on the graph it compiles in
-``Mode.REWRITE``; ``eager_casts`` runs it in ``Mode.REWRITE`` on a copy and maps the casts to module
-hooks. Every step reads the graph through one ``PassContext``; no step analyses a graph another
+``Mode.REWRITE``; ``eager_casts`` runs it in ``Mode.CASTS`` on a copy (every rewrite, no verify) and
+maps the casts to module hooks. Every step reads the graph through one ``PassContext``; no step analyses a graph another
 step did not hand it.
 """
 
@@ -39,7 +39,8 @@ from fx_precision.passes.units import UnitIndex
 
 class Mode(enum.Enum):
     REPORT = "report"  # analyse and fix on a throw-away graph: findings of every round
-    REWRITE = "rewrite"  # the graph is the one compiled: every rewrite applies
+    REWRITE = "rewrite"  # the graph is the one compiled: every rewrite applies, then verify
+    CASTS = "casts"  # every rewrite on a throw-away graph, no verify: the casts are what is wanted (eager_casts)
 
 
 @dataclass
@@ -120,14 +121,14 @@ def run_pipeline(gm: fx.GraphModule, ctx: PassContext, mode: Mode, rewrites: Seq
     if mode is Mode.REPORT:
         return result
     narrowed = narrow_covered_stream(result.final.annotation, ctx.compute)  # 4
-    if narrowed:
+    result.casts += narrowed
+    if narrowed and (mode is Mode.REWRITE or rewrites):  # the graph is read again: its dtypes must be current
         repropagate(gm, ctx.compute, ctx.device_type)  # consumers cast to compute anyway: nothing follows these dtypes
-        result.casts += narrowed
     for rewrite in rewrites:  # 5
         done = rewrite.apply(gm, ctx)
         result.rewrites[rewrite.name] = done
         if done:
             repropagate(gm, ctx.compute, ctx.device_type)
-    if narrowed or any(result.rewrites.values()):
+    if mode is Mode.REWRITE and (narrowed or any(result.rewrites.values())):
         result.final = ctx.analyse(gm)  # 6
     return result

@@ -6,7 +6,10 @@
     ├── inductor                    torch.compile, default Inductor
     ├── precision_backend + plan    torch.compile(backend=precision_backend), embedding gathered at bf16
     ├── precision_backend           the same with no plan rule: the pass casts the embedding's output
-    └── pure bf16 limit             the whole model converted to bf16, default Inductor
+    ├── pure bf16 limit             the whole model converted to bf16, default Inductor
+    ├── per-block backend           each decoder layer compiled alone (the FSDP2 style), embedding eager:
+    │                               every block graph receives the embedding's fp32 stream
+    └── per-block + eager fix       the same with the derived hooks (fxp.eager_casts) on the eager parts
 
     per variant: fwd+bwd step time (median, min-max), tokens/s, ratio to Inductor; generated kernels
     and how many touch an fp32 activation buffer; kernel bytes by dtype (externs apart); float
@@ -67,6 +70,8 @@ class Variant:
     weights: torch.dtype | None = None  # convert the whole model (the pure-bf16 limit); None: fp32 masters
     backend: str | None = None  # None: default Inductor; "plan": precision_backend with the embedding plan; "pass": no plan
     gather_eagerly: bool = False  # eager gather emulation of the embedding plan
+    per_block: bool = False  # compile each decoder layer alone (the FSDP2 style); the rest of the model runs eagerly
+    eager_fix: bool = False  # the backend's casts as module hooks (fxp.eager_casts) on the eager parts
 
     def make_backend(self, plan: PrecisionPlan) -> Any:
         if self.backend is None:
@@ -81,6 +86,15 @@ VARIANTS = (
     Variant("precision_backend + plan", True, f"backend with plan '{EMBED_RULE}'", backend="plan"),
     Variant("precision_backend", True, "backend, no plan: casts the embedding output", backend="pass"),
     Variant("pure bf16 limit", True, "model converted to bf16, default Inductor", weights=torch.bfloat16),
+    Variant("per-block backend", True, "each decoder layer compiled alone, backend; embedding eager", backend="pass", per_block=True),
+    Variant(
+        "per-block backend + eager fix",
+        True,
+        "the same, with the derived hooks on the eager embedding",
+        backend="pass",
+        per_block=True,
+        eager_fix=True,
+    ),
 )
 
 
@@ -235,7 +249,20 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
     plan = compile_precision(model, parse_precision_rules(embedding_rules(model)), default_gather="fp32")
     backend = variant.make_backend(plan)
     forward: Callable[..., Any] = model
-    if variant.compiled:
+    hooks = None
+    if variant.eager_fix:
+        from fx_precision.eager_fix import eager_casts
+        from fx_precision.policy import PrecisionPolicy
+
+        hooks = eager_casts(model, ids, policy=PrecisionPolicy(compute=torch.bfloat16), **kwargs).apply(model)
+        torch._dynamo.reset()
+    if variant.per_block:
+        from fx_precision.fsdp import layer_wrap_globs
+
+        for glob in layer_wrap_globs(model):
+            for layer in model.get_submodule(glob.removesuffix(".*")).children():
+                layer.compile(backend=backend or "inductor")  # in place: the FSDP2 style, one graph per block
+    elif variant.compiled:
         forward = torch.compile(model, backend=backend or "inductor")
     fix = gathered_eagerly(model, plan) if variant.gather_eagerly else contextlib.nullcontext()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -251,7 +278,7 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
         loss.backward()
 
     codes: list[str] = []
-    with fix:
+    with fix, hooks if hooks is not None else contextlib.nullcontext():
         times, first_step = _timed_steps(step, variant, device, steps, warmup, codes)
     median = statistics.median(times)
     result: dict[str, Any] = {

@@ -5,6 +5,7 @@ demo (tiny Qwen3.5, fp32 master, fp32 gather)
 ├── re-cast off only   bf16 autocast, boundary re-cast off, embedding gathered fp32   -> leaks
 ├── embedding only     bf16 autocast, boundary re-cast on,  embedding gathered bf16   -> leaks
 ├── both fixes         bf16 autocast, boundary re-cast off, embedding gathered bf16   -> 0 fp32
+├── eager fix          bf16 autocast, boundary re-cast off, the backend's casts as hooks (no hand rule) -> 0 fp32
 └── default            no autocast (everything fp32, as before any of this)
 """
 
@@ -14,6 +15,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from fx_precision.census import Census, census
+from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
 from fx_precision.module_graph import module_label
@@ -42,6 +44,7 @@ class CensusConfig:
     seed: int = 0
     mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards); None: a 1-D mesh over every rank
     plain_wrap: bool = False  # reference: plain per-layer fully_shard with MixedPrecisionPolicy(fp32, fp32)
+    eager_fix: bool = False  # the backend's casts as module hooks (fxp.eager_casts), derived before the wrap
 
     def build_dtype(self) -> Any:
         """What a checkpoint config is built at: the master dtype (None, "as loaded": what the file stores)."""
@@ -91,7 +94,11 @@ def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> l
             plan_units: list[str] = []
         else:
             plan = policy.plan(model, wrap=layer_wrap_globs(model))
+            ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
+            fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
             apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
+            if fix is not None:
+                fix.apply(model)  # the FQNs of the plain model are the wrapped model's
             plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in plan.units]
         ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
         with policy.forward_context(device.type):
@@ -147,6 +154,15 @@ def demo_configs(model: str = "qwen3_5-tiny") -> list[CensusConfig]:
                 "rules": emb,
                 "cast_forward_inputs": False,
                 "meaning": "what resolve_policy gives Qwen3.5: the stream stays bf16",
+            }
+        ),
+        CensusConfig(
+            **{
+                **asdict(base),
+                "label": "eager fix (derived)",
+                "cast_forward_inputs": False,
+                "eager_fix": True,
+                "meaning": "no rule by hand: the backend's casts as module hooks (fxp.eager_casts), boundary re-cast off",
             }
         ),
         CensusConfig(

@@ -154,6 +154,15 @@ def _add_policy_args(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _add_eager_fix_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument(
+        "--eager-fix",
+        action="store_true",
+        help="derive the backend's casts for this model and policy and register them as module hooks (fxp.eager_casts): "
+        "the precision fix without torch.compile",
+    )
+
+
 def _add_batch_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", type=bounded_int("--batch", 1, 4096), default=2, help="synthetic batch size (token ids from a fixed seed)")
     p.add_argument(
@@ -187,6 +196,7 @@ def _census_config(args: argparse.Namespace) -> CensusConfig:
         seq_len=args.seq_len,
         backward=getattr(args, "backward", False),
         mesh=_mesh(args),
+        eager_fix=getattr(args, "eager_fix", False),
     )
 
 
@@ -393,6 +403,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank runs: cpu (gloo) or its own GPU (NCCL; under torchrun)"
     )
     p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
+    _add_eager_fix_arg(p)
     p.add_argument("--top", type=bounded_int("--top", 1, 100_000), default=15, help="modules to list (by fp32 count)")
     p.set_defaults(handler=cmd_census)
 
@@ -452,6 +463,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_model_args(p)
     _add_policy_args(p)
     _add_batch_args(p)
+    _add_eager_fix_arg(p)
     p.add_argument("--out", required=True, metavar="DIR", help="dump directory (created)")
     p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
     p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (sets --world-size to R*S)")
@@ -473,6 +485,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("dumps", nargs="*", metavar="DIR", help="two dump directories; none: the built-in sides")
     _add_model_args(p)
     _add_policy_args(p)
+    _add_eager_fix_arg(p)
     _add_batch_args(p)
     p.set_defaults(batch=2, seq_len=32)
     p.add_argument("--rollout", default="bf16", help="'bf16' (the stand-in) or a dump directory (default bf16)")

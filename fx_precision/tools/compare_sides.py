@@ -21,6 +21,7 @@ import torch
 from torch import nn
 
 from fx_precision.dump import Dump, DumpRecorder, Record
+from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
 from fx_precision.tools.census_driver import CensusConfig
 from fx_precision.tools.zoo import build_model, forward_kwargs, logits_of, token_batch
@@ -69,6 +70,7 @@ def _train_in_process(side: SideConfig) -> Dump:
     plan = policy.plan(model)
     ids = _ids(model, cfg)
     kwargs = forward_kwargs(model)
+    fix = eager_casts(model, ids, policy=policy, plan=plan, **kwargs).apply(model) if cfg.eager_fix and not side.compiled else None
     if side.compiled:
         from fx_precision.backend import make_precision_backend
 
@@ -79,7 +81,7 @@ def _train_in_process(side: SideConfig) -> Dump:
     with torch.no_grad(), gathered_eagerly(model, plan), policy.forward_context("cpu"):
         with DumpRecorder(model, inputs=side.inputs, replay=True) as recorder:
             model(ids, **kwargs)
-    recorder.dump.source = f"train ({policy.describe()})"
+    recorder.dump.source = f"train ({policy.describe()}{', eager fix: ' + str(len(fix.hooks)) + ' hook(s)' if fix else ''})"
     return recorder.dump
 
 
@@ -105,8 +107,11 @@ def _train_on_rank(rank: int, world_size: int, side: SideConfig, out: str | None
     policy = cfg.policy(model)
     plan = policy.plan(model, wrap=layer_wrap_globs(model))
     mesh = cpu_mesh(world_size, cfg.mesh)
-    apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
     ids = _ids(model, cfg)
+    fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
+    apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
+    if fix is not None:
+        fix.apply(model)
     with torch.no_grad(), policy.forward_context("cpu"), DumpRecorder(model, out, inputs=side.inputs) as recorder:
         model(ids, **forward_kwargs(model))
     recorder.dump.source = f"train rank {rank}/{world_size} ({policy.describe()})"

@@ -7,7 +7,12 @@
     │                            compiler: it reads dtypes and module stacks, never the analysis)
     ├── enforce (aot_eager)      forward + backward: errors left, gradient dtypes, logits' relative
     │                            max error against the eager forward as-is and the eager hand fix
-    └── census (1 gloo rank)     module-IO dtypes under FSDP2 with resolve_policy's defaults
+    ├── eager fix                the backend's casts as module hooks (fxp.eager_casts): fp32 stream
+    │                            tensors as traced with the hooks on, and whether eager logits and
+    │                            gradients are bitwise those of the backend with aot_eager (else the
+    │                            hook that differs, and why)
+    └── census (1 gloo rank)     module-IO dtypes under FSDP2 with resolve_policy's defaults, as-is
+                                 and with the eager fix
 
 The *hand fix* is what a careful user writes in eager code: cast the output of every input
 embedding and of every norm module to the compute dtype. An architecture that cannot be built,
@@ -145,21 +150,92 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
             "pass_seconds": sum(r.pass_seconds for r in backend.reports),
         }
         row["grad_dtypes"] = sorted({str(p.grad.dtype).removeprefix("torch.") for p in model.parameters() if p.grad is not None})
+        compiled_grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        stage = "eager fix"
+        row["eager_fix"] = _eager_fix_row(spec, model, ids, logits.detach(), compiled_grads, record, counts)
         got = logits.detach().float()
         row["logits_rel_max_error"] = float((got - reference).abs().max() / reference.abs().max().clamp_min(1e-12))
         row["logits_rel_max_error_vs_hand_fix"] = float((got - by_hand).abs().max() / by_hand.abs().max().clamp_min(1e-12))
     except Exception as exc:
         row["error"] = f"{stage}: {_error(exc)}"
         row["traceback"] = traceback.format_exc(limit=-3)
-    row["fp32_stream"] = {"as_traced": counts.get("as_traced"), "enforced": counts.get("enforced"), "hand_fix": counts.get("hand_fix")}
+    row["fp32_stream"] = {
+        "as_traced": counts.get("as_traced"),
+        "enforced": counts.get("enforced"),
+        "hand_fix": counts.get("hand_fix"),
+        "eager_fix": counts.get("eager_fix"),
+    }
     row["seconds"] = round(time.perf_counter() - start, 2)
     torch._dynamo.reset()
     return row
 
 
+def _eager_fix_row(
+    spec: Arch,
+    model: nn.Module,
+    ids: torch.Tensor,
+    compiled_logits: torch.Tensor,
+    compiled_grads: dict[str, torch.Tensor],
+    record: Recorder | None,
+    counts: dict[str, int],
+) -> dict[str, Any]:
+    """Derive the eager fix, count its fp32 stream as traced, and compare eager fwd+bwd with the backend's."""
+    import fx_precision as fxp
+
+    fix = fxp.eager_casts(model, input_ids=ids, policy=fxp.PrecisionPolicy(compute=COMPUTE))
+    inexact = [h for h in fix.hooks if not h.exact]
+    with fix.apply(model):
+        torch._dynamo.reset()
+        with torch.autocast("cpu", dtype=COMPUTE), torch.no_grad():
+            torch.compile(model, backend=_recording(spec.name, "eager_fix", record, counts, inner="eager"))(input_ids=ids)
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        with torch.autocast("cpu", dtype=COMPUTE):
+            logits = logits_of(model(input_ids=ids))
+        logits.float().pow(2).mean().backward()
+    grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    logits_equal = torch.equal(logits.detach(), compiled_logits)
+    grads_equal = grads.keys() == compiled_grads.keys() and all(torch.equal(grads[n], compiled_grads[n]) for n in grads)
+    row: dict[str, Any] = {
+        "hooks": len(fix.hooks),
+        "inexact_hooks": len(inexact),
+        "compile_only": len(fix.compile_only),
+        "logits_bitwise": logits_equal,
+        "grads_bitwise": grads_equal,
+    }
+    differing = sorted(n for n in grads if n in compiled_grads and not torch.equal(grads[n], compiled_grads[n]))
+    if inexact:
+        row["difference"] = "; ".join(f"{h.modules}: {h.fixes}" for h in inexact)
+    elif differing:
+        # measured, not assumed: does aot_eager alone (no pass, no hooks) differ from eager on these gradients?
+        alone = _aot_eager_differs(model, ids)
+        row["difference"] = f"gradients of {', '.join(differing[:3])}{' and more' if len(differing) > 3 else ''} differ; " + (
+            "aot_eager alone (no pass, no hooks) differs from eager on them too: the inner compiler's backward, not the fix"
+            if set(differing) <= alone
+            else f"aot_eager alone differs on {len(alone)} gradient(s), not all of these: a difference of the fix, please report"
+        )
+    return row
+
+
+def _aot_eager_differs(model: nn.Module, ids: torch.Tensor) -> set[str]:
+    """Parameters whose gradient differs between eager and plain ``aot_eager`` (no pass), as-is."""
+    grads = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        model.zero_grad(set_to_none=True)
+        run = torch.compile(model, backend="aot_eager") if compiled else model
+        with torch.autocast("cpu", dtype=COMPUTE):
+            logits = logits_of(run(input_ids=ids))
+        logits.float().pow(2).mean().backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    torch._dynamo.reset()
+    return {n for n in grads[0] if not torch.equal(grads[0][n], grads[1].get(n, grads[0][n] + 1))}
+
+
 def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     """Inside a gloo rank: each architecture under FSDP2 with ``resolve_policy`` defaults, census."""
     from fx_precision.census import census
+    from fx_precision.eager_fix import eager_casts
     from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
     from fx_precision.policy import resolve_policy
     from fx_precision.tools.distributed import cpu_mesh
@@ -168,15 +244,19 @@ def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     for name in names:
         spec = arch(name)
         try:
-            model = spec.build()
-            policy = resolve_policy(model, master="fp32", gather="fp32", compute="bf16")
-            plan = policy.plan(model, wrap=layer_wrap_globs(model))
-            apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
-            ids = torch.randint(0, model.config.vocab_size, (spec.batch, 8), generator=torch.Generator().manual_seed(1))
-            with policy.forward_context("cpu"):
-                result = census(model, input_ids=ids)
-            floats = result.float_totals()
-            out[name] = {"fp32": floats.get("fp32", 0), "bf16": floats.get("bf16", 0), "rules": len(policy.spec)}
+            out[name] = {}
+            for fixed in (False, True):
+                model = spec.build()
+                policy = resolve_policy(model, master="fp32", gather="fp32", compute="bf16")
+                plan = policy.plan(model, wrap=layer_wrap_globs(model))
+                ids = torch.randint(0, model.config.vocab_size, (spec.batch, 8), generator=torch.Generator().manual_seed(1))
+                fix = eager_casts(model, input_ids=ids, policy=policy, plan=plan) if fixed else None
+                apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
+                with fix.apply(model) if fix is not None else contextlib.nullcontext(), policy.forward_context("cpu"):
+                    result = census(model, input_ids=ids)
+                floats = result.float_totals()
+                counts = {"fp32": floats.get("fp32", 0), "bf16": floats.get("bf16", 0), "rules": len(policy.spec)}
+                out[name].update(counts if not fixed else {"eager_fix_fp32": counts["fp32"], "eager_fix_bf16": counts["bf16"]})
         except Exception as exc:
             out[name] = {"error": _error(exc)}
     return out
@@ -193,6 +273,15 @@ def run_sweep(names: list[str] | None = None, *, census: bool = True, record: Re
         for row in rows:
             row["census"] = per_arch[row["arch"]]
     return rows
+
+
+def _eager_fix_cell(row: dict[str, Any]) -> str:
+    fix = row.get("eager_fix")
+    if not fix:
+        return "-"
+    census = row.get("census", {})
+    bitwise = "yes" if fix["logits_bitwise"] and fix["grads_bitwise"] else "no*"
+    return f"{row['fp32_stream'].get('eager_fix', '-')} / {census.get('eager_fix_fp32', '-')} / {bitwise}"
 
 
 def render(rows: list[dict[str, Any]]) -> str:
@@ -214,6 +303,7 @@ def render(rows: list[dict[str, Any]]) -> str:
                 f"{r['logits_rel_max_error']:.1e} / {r['logits_rel_max_error_vs_hand_fix']:.1e}" if "logits_rel_max_error" in r else "-",
                 ",".join(r.get("grad_dtypes", [])) or "-",
                 census.get("error") or (f"{census['fp32']}/{census['fp32'] + census['bf16']}" if census else "-"),
+                _eager_fix_cell(r),
                 r.get("error", "ok"),
             ]
         )
@@ -226,6 +316,7 @@ def render(rows: list[dict[str, Any]]) -> str:
         "logits rel err vs eager / hand fix",
         "grads",
         "census fp32 (FSDP2)",
+        "eager fix: stream fp32 / census fp32 / bitwise",
         "status",
     ]
     return tabulate(table, headers=headers)
