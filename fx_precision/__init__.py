@@ -9,7 +9,9 @@ PrecisionSpec ─ compile_precision ─▶ PrecisionPlan ─ apply_fsdp2 ─▶ 
 
 The package is lazy (PEP 562): ``import fx_precision`` and ``import fx_precision.spec`` load
 neither Dynamo nor FSDP2; a name is imported on first use. ``torch.compile(backend="fx_precision")``
-finds the backend through the ``torch_dynamo_backends`` entry point.
+finds the backend through the ``torch_dynamo_backends`` entry point. ``census``, ``lint``, ``dump``
+and ``compare`` are modules that can be called as their function (``fxp.lint(model, ids)``), so
+``import fx_precision.lint`` binds the module and the package's name calls alike.
 
 Layout: the core (spec, plan, selection, unit_solver, lowering, policy, archs, fsdp, census,
 lint, backend, passes) never imports ``fx_precision.tools`` (model zoos, bench, kernel census,
@@ -19,11 +21,6 @@ rank runner, sweep, CLI).
 from __future__ import annotations
 
 import importlib
-import importlib.abc
-import importlib.util
-import sys
-import types
-import warnings
 from typing import Any
 
 _EXPORTS: dict[str, str] = {
@@ -59,28 +56,13 @@ _EXPORTS: dict[str, str] = {
     "precision_backend": "fx_precision.backend",
 }
 __all__ = sorted(_EXPORTS)
-
-# tool modules that moved to fx_precision.tools: the old paths work for one release, with a warning
-_MOVED = ("zoo", "toy_decoder", "arch_zoo", "bench", "kernel_census", "census_driver", "distributed", "sweep", "cli")
-
-
-class _Package(types.ModuleType):
-    """``census``, ``lint``, ``dump`` and ``compare`` are functions and submodules alike. Importing a
-    submodule binds it on its package; here the function keeps the name (the module stays in
-    ``sys.modules``, and ``from fx_precision.lint import LintReport`` works as ever)."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and name in _EXPORTS and _EXPORTS[name] == f"{__name__}.{name}":
-            return
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+_CALLABLE_MODULES = ("census", "lint", "dump", "compare")  # a module named like its function, callable as it
 
 
 def __getattr__(name: str) -> Any:
     if name in _EXPORTS:
-        value = getattr(importlib.import_module(_EXPORTS[name]), name)
+        module = importlib.import_module(_EXPORTS[name])
+        value = module if name in _CALLABLE_MODULES else getattr(module, name)
         globals()[name] = value
         return value
     raise AttributeError(f"module 'fx_precision' has no attribute {name!r}")
@@ -88,29 +70,3 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted({*globals(), *_EXPORTS})
-
-
-class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
-    """``import fx_precision.zoo`` -> ``fx_precision.tools.zoo`` (the same module object), warning once."""
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        prefix, _, leaf = fullname.rpartition(".")
-        if prefix == __name__ and leaf in _MOVED:
-            return importlib.util.spec_from_loader(fullname, self)
-        return None
-
-    def create_module(self, spec: Any) -> Any:
-        leaf = spec.name.rpartition(".")[2]
-        warnings.warn(
-            f"fx_precision.{leaf} moved to fx_precision.tools.{leaf}; the old path goes away in the next release",
-            DeprecationWarning,
-            stacklevel=3,
-        )
-        return importlib.import_module(f"{__name__}.tools.{leaf}")
-
-    def exec_module(self, module: Any) -> None:
-        """Nothing to run: ``create_module`` returned the already executed ``fx_precision.tools`` module."""
-
-
-if not any(isinstance(f, _MovedModuleFinder) for f in sys.meta_path):
-    sys.meta_path.insert(0, _MovedModuleFinder())  # before editable-install finders that may still see an old file

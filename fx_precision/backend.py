@@ -14,10 +14,10 @@ Every compiled graph leaves a ``GraphReport`` in ``backend.reports``; ``TORCH_LO
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
-import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +37,7 @@ from fx_precision.passes.kinds import CastKind, severity_rank
 from fx_precision.passes.pipeline import GraphRewrite, Mode, PassContext, run_pipeline
 from fx_precision.passes.repropagate import graph_device_type
 from fx_precision.passes.units import UnitIndex
-from fx_precision.plan import PrecisionPlan, unit_label
+from fx_precision.plan import PrecisionPlan
 from fx_precision.policy import PrecisionPolicy
 
 log = logging.getLogger("fx_precision.backend")
@@ -74,11 +74,6 @@ class GraphReport:
     def casts_of(self, *kinds: CastKind) -> list[InsertedCast]:
         return [c for c in self.casts if c.kind in kinds]
 
-    def casts_for(self, reason_prefix: str) -> list[InsertedCast]:
-        """Deprecated: casts by the prefix of their reason text; use ``casts_of(CastKind...)``."""
-        warnings.warn("GraphReport.casts_for(prefix) is deprecated; use casts_of(CastKind.X)", DeprecationWarning, stacklevel=2)
-        return [c for c in self.casts if c.reason.startswith(reason_prefix)]
-
     @property
     def gather_casts(self) -> list[InsertedCast]:
         return self.casts_of(CastKind.GATHER)
@@ -99,7 +94,7 @@ class GraphReport:
             f"pass {self.pass_seconds * 1e3:.1f} ms, inner compile {self.inner_seconds:.2f} s" + (f"; {self.note}" if self.note else "")
         ]
         lines.extend(
-            f"  + {c.node}: {c.of} {dtype_name(c.frm)} -> {dtype_name(c.to)} in {unit_label(c.module)} ({c.reason})" for c in self.casts
+            f"  + {c.node}: {c.of} {dtype_name(c.frm)} -> {dtype_name(c.to)} in {module_label(c.module)} ({c.reason})" for c in self.casts
         )
         lines.extend(f"  ! {f.code} {f.kind} [{f.severity}] at {module_label(f.module)}: {f.message}" for f in self.after)
         return "\n".join(lines)
@@ -197,7 +192,8 @@ class PrecisionBackend:
             self._enforce(gm, example_inputs, compute, report, device_type)
         report.pass_seconds = time.perf_counter() - start
         inner_start = time.perf_counter()
-        compiled = _inner_compiler(self.inner)(gm, example_inputs)
+        with self._inner_config():
+            compiled = _inner_compiler(self.inner)(gm, example_inputs)
         report.inner_seconds = time.perf_counter() - inner_start
         if log.isEnabledFor(logging.INFO):
             log.info(report.summary())
@@ -216,9 +212,23 @@ class PrecisionBackend:
     def _context(self, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str) -> PassContext:
         return PassContext(compute, device_type, self.units, example_inputs=example_inputs, index=index, emulate=self.plan is not None)
 
+    def _inner_config(self) -> contextlib.AbstractContextManager[Any]:
+        """Under an engine contract Inductor keeps every cast the graph holds (emulate_precision_casts):
+        fp32 math fused across a bf16 round trip would not be what the engine computes."""
+        if self.policy is None or self.policy.contract is None or self.inner != "inductor":
+            return contextlib.nullcontext()
+        import torch._inductor.config as inductor_config
+
+        return inductor_config.patch(emulate_precision_casts=True)
+
     def rewrites(self) -> list[GraphRewrite]:
-        """Graph rewrites after the precision fix (pipeline step 5); none here, a contract adds its own."""
-        return []
+        """Graph rewrites after the precision fix (pipeline step 5): the policy's engine contract's."""
+        contract = self.policy.contract if self.policy is not None else None
+        if contract is None:
+            return []
+        from fx_precision.passes.engine_rewrites import engine_rewrites
+
+        return engine_rewrites(contract)
 
     def _enforce(
         self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, report: GraphReport, device_type: str

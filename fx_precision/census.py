@@ -23,6 +23,7 @@ import torch
 from tabulate import tabulate
 from torch import nn
 
+from fx_precision.callable_module import make_callable
 from fx_precision.dtypes import dtype_name, is_analysed_float
 from fx_precision.module_graph import module_label
 
@@ -220,3 +221,6 @@ def census(model: nn.Module, *args: Any, backward: bool = False, **kwargs: Any) 
             if floats:
                 sum(t.float().sum() for t in floats).backward()  # type: ignore[union-attr]
     return rec.census
+
+
+make_callable(__name__, census)  # fxp.census(...) calls the function; import fx_precision.census binds this module

@@ -17,12 +17,19 @@ Bands of the relative difference: identical (the same values; ``bitwise`` says w
 and bytes are the same too), equivalent (<= 1e-5), minor (<= 1e-3), large (<= 1e-1), severe. The
 measure is quadratic in the error: one bf16 rounding step scores about 1e-5. Origins therefore
 ask for the same values, not a band: true on-policy's target is bitwise.
+
+Bad data is never "equivalent". A NaN or Inf on either side puts the tensor in a band of its own,
+``non-finite`` (worse than severe), naming how many and where; NaN equals NaN only when both sides
+hold NaN at exactly the same places and the caller asked for that (``nan_equal=True``). Log-prob
+metrics fail closed: when the token ids, lengths or vocabularies differ, or a value is not finite,
+``logprob["comparable"]`` is False and ``logprob["why"]`` says why. Every figure is JSON-safe.
 """
 
 from __future__ import annotations
 
 import contextlib
 import difflib
+import math
 import os
 import re
 from collections.abc import Callable
@@ -34,12 +41,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fx_precision.callable_module import make_callable
 from fx_precision.dtypes import dtype_name, parse_dtype
-from fx_precision.dump import Dump, DumpRecorder, Record, load_dump
+from fx_precision.dump import Dump, DumpRecorder, Record, Sequence, join_ranks, load_dump
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 
 BANDS = (("identical", 0.0), ("equivalent", 1e-5), ("minor", 1e-3), ("large", 1e-1), ("severe", float("inf")))
+NON_FINITE = "non-finite"  # worse than any band: NaN or Inf on a side
+BAND_RANK = {**{name: i for i, (name, _) in enumerate(BANDS)}, NON_FINITE: len(BANDS)}
 MATCHING = ("identical",)  # for origins: "match" is bitwise (true on-policy's target), anything else differs
 
 
@@ -86,20 +96,53 @@ class TensorDiff:
     rel_diff_narrow: float | None
     bitwise: bool
     band: str
+    non_finite: str | None = None  # "a: 1 NaN (first at [0, 3]); b: none": why the band is non-finite
 
 
-def tensor_diff(a: Record, b: Record) -> TensorDiff:
+def _non_finite(t: torch.Tensor) -> tuple[torch.Tensor, str]:
+    """The mask of NaN/Inf elements and a description (count by kind, the first index)."""
+    mask = ~torch.isfinite(t)
+    if not bool(mask.any()):
+        return mask, "none"
+    nan, inf = int(torch.isnan(t).sum()), int(torch.isinf(t).sum())
+    first = [int(i) for i in mask.nonzero()[0].tolist()]
+    kinds = ", ".join(k for k in (f"{nan} NaN" if nan else "", f"{inf} Inf" if inf else "") if k)
+    return mask, f"{kinds} (first at {first})"
+
+
+def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
     x, y = a.tensor, b.tensor
     assert x is not None and y is not None
     common = {"fqn": a.fqn, "call": a.call, "io": a.io, "path": a.path, "dtype_a": a.dtype, "dtype_b": b.dtype}
     common |= {"shape_a": a.shape, "shape_b": b.shape}
     if x.shape != y.shape:
-        inf = float("inf")
-        return TensorDiff(**common, rel_diff=inf, max_abs=inf, mean_abs=inf, rel_diff_narrow=None, bitwise=False, band="severe")
+        return TensorDiff(
+            **common, rel_diff=math.inf, max_abs=math.inf, mean_abs=math.inf, rel_diff_narrow=None, bitwise=False, band="severe"
+        )
     if not (x.is_floating_point() and y.is_floating_point()):
         same = bool(torch.equal(x, y))
         band = "identical" if same else "severe"
         return TensorDiff(**common, rel_diff=float(not same), max_abs=0.0, mean_abs=0.0, rel_diff_narrow=None, bitwise=same, band=band)
+    mask_x, text_x = _non_finite(x)
+    mask_y, text_y = _non_finite(y)
+    if bool(mask_x.any()) or bool(mask_y.any()):
+        same_places = bool(torch.equal(mask_x, mask_y)) and bool(torch.equal(x[mask_x].isnan(), y[mask_y].isnan()))
+        same_places = same_places and bool(torch.equal(x[mask_x & ~x.isnan()], y[mask_y & ~y.isnan()]))  # +Inf vs -Inf
+        if not (nan_equal and same_places):
+            finite = ~(mask_x | mask_y)
+            delta = (x[finite].double() - y[finite].double()).abs()
+            return TensorDiff(
+                **common,
+                rel_diff=math.inf,
+                max_abs=float(delta.max()) if delta.numel() else 0.0,
+                mean_abs=float(delta.mean()) if delta.numel() else 0.0,
+                rel_diff_narrow=None,
+                bitwise=False,
+                band=NON_FINITE,
+                non_finite=f"a: {text_x}; b: {text_y}"
+                + ("" if not same_places else " (the same places; nan_equal=True compares the rest)"),
+            )
+        x, y = x.masked_fill(mask_x, 0.0), y.masked_fill(mask_y, 0.0)  # asked for: equal non-finite places, compare the rest
     x64, y64 = x.double(), y.double()
     rel = _rel(x64, y64)
     delta = (x64 - y64).abs()
@@ -175,8 +218,8 @@ class Comparison:
         return next((c for c in self.calls if c.output_band not in MATCHING), None)
 
     def to_dict(self) -> dict[str, Any]:
-        return {
-            "version": 1,
+        return json_safe({
+            "version": 2,
             "logprob": self.logprob,
             "first_origin": asdict(self.first_origin) if self.first_origin else None,
             "first_op": asdict(self.first_op) if self.first_op else None,
@@ -187,18 +230,28 @@ class Comparison:
             "only_a": [list(k) for k in self.only_a],
             "only_b": [list(k) for k in self.only_b],
             "notes": self.notes,
-        }
+        })  # fmt: skip
 
     def render(self, top: int = 12) -> str:
         from tabulate import tabulate
 
         lines = []
-        if self.logprob:
-            lp = self.logprob
+        lp = self.logprob
+        if lp is not None and not lp["comparable"]:
+            lines.append(f"log-prob comparison not made: {lp['why']}")
+        elif lp is not None:
             lines.append(
                 f"log-prob |delta|: max {lp['max']:.3g}, mean {lp['mean']:.3g}; K3 KL {lp['k3_kl']:.3g}; "
                 f"bitwise-equal tokens {lp['bitwise_share']:.1%} of {int(lp['tokens'])}"
             )
+            for part in ("prompt", "generated"):
+                if lp[part]["tokens"] and lp["generated"]["tokens"]:
+                    q = lp[part]
+                    lines.append(
+                        f"  {part}: max {q['max']:.3g}, mean {q['mean']:.3g}, bitwise {q['bitwise_share']:.1%} of {int(q['tokens'])}"
+                    )
+            if lp["non_finite"]:
+                lines.append(f"  NOT FINITE: {lp['why']}")
         first = self.first_differing
         lines.append(f"first differing module: {module_label(first.fqn) if first else 'none'}")
         origin = self.first_origin
@@ -217,7 +270,8 @@ class Comparison:
                 c.output_band,
                 f"{c.worst_output.rel_diff:.2e}" if c.worst_output else "-",
                 f"{c.worst_output.dtype_a}/{c.worst_output.dtype_b}" if c.worst_output else "-",
-                "ORIGIN" if c.origin else ("inherited" if c.output_band not in MATCHING else ""),
+                ("ORIGIN" if c.origin else ("inherited" if c.output_band not in MATCHING else ""))
+                + (f" {c.worst_output.non_finite}" if c.worst_output and c.worst_output.non_finite else ""),
             ]
             for c in self.calls
             if c.output_band not in MATCHING
@@ -241,7 +295,12 @@ def parse_fqn_map(text: str | dict[str, str] | None) -> list[tuple[str, str]]:
     if not text:
         return []
     if isinstance(text, dict):
+        for a, b in text.items():
+            if not isinstance(a, str) or not isinstance(b, str) or not a.strip() or not b.strip():
+                raise PrecisionError(f"FQN map entry {a!r}: {b!r}: both sides need a name (non-empty strings)")
         return list(text.items())
+    if not isinstance(text, str):
+        raise PrecisionError(f"fqn_map={text!r}: a text 'a_name=b_name; ...' or a dict {{a_name: b_name}}")
     pairs = []
     for part in re.split(r"[;,]", text):
         if not part.strip():
@@ -276,7 +335,7 @@ def rename(fqn: str, mapping: list[tuple[str, str]]) -> str:
 # ---------------------------------------------------------------------------------------------
 
 
-def _as_dump(side: Any, label: str) -> Dump:
+def _as_dump(side: Any, label: str, notes: list[str]) -> Dump:
     if isinstance(side, Dump):
         return side
     if isinstance(side, Side):
@@ -284,33 +343,43 @@ def _as_dump(side: Any, label: str) -> Dump:
     if isinstance(side, (str, os.PathLike)):
         loaded = load_dump(side)
         if isinstance(loaded, dict):
-            raise PrecisionError(
-                f"side {label}: {side} holds one dump per rank ({', '.join(f'rank{r}' for r in loaded)}); compare one rank "
-                f"directory, e.g. {os.path.join(str(side), 'rank0')}"
-            )
+            joined, note = join_ranks(loaded)
+            notes.append(f"side {label}: {note}")
+            return joined
         return loaded
     raise PrecisionError(f"side {label}: a dump directory, a Dump or an fx_precision.Side, got {type(side).__name__}")
 
 
-def compare(a: Any, b: Any, *, fqn_map: str | dict[str, str] | None = None, drill_down: bool = True) -> Comparison:
-    """Compare two forwards (see the module docstring). ``fqn_map`` renames side b's modules."""
-    da, db = _as_dump(a, "a"), _as_dump(b, "b")
+def compare(a: Any, b: Any, *, fqn_map: str | dict[str, str] | None = None, drill_down: bool = True, nan_equal: bool = False) -> Comparison:
+    """Compare two forwards (see the module docstring). ``fqn_map`` renames side b's modules;
+    ``nan_equal``: NaN at exactly the same places on both sides counts as equal there."""
+    notes: list[str] = []
+    da, db = _as_dump(a, "a", notes), _as_dump(b, "b", notes)
     mapping = parse_fqn_map(fqn_map)
     if mapping:
         names_b = {r.fqn for r in db.records}
         for pa, pb in mapping:
             if not any(_pattern(pb).match(n) for n in names_b):
                 raise PrecisionError(f"FQN map {pa}={pb}: {pb!r} matches no module of side b ({db.source}); check the names")
+        renamed: dict[str, str] = {}
+        for name in sorted(names_b):
+            new = rename(name, mapping)
+            if new in renamed and renamed[new] != name:
+                raise PrecisionError(
+                    f"FQN map {fqn_map!r} sends side b's {renamed[new]!r} and {name!r} both to {new!r}; a map must keep modules "
+                    "apart: make the patterns more specific"
+                )
+            renamed[new] = name
         db = replace(  # a renamed copy: the caller's Dump keeps its own names
             db,
             records=[replace(r, fqn=rename(r.fqn, mapping)) for r in db.records],
             calls=[replace(c, fqn=rename(c.fqn, mapping)) for c in db.calls],
             replays={(rename(f, mapping), c): v for (f, c), v in db.replays.items()},
         )
-    by_a = {r.key: r for r in da.records}
-    by_b = {r.key: r for r in db.records}
-    pairs = [tensor_diff(by_a[k], by_b[k]) for k in by_a if k in by_b]
-    result = Comparison(pairs, [], [k for k in by_a if k not in by_b], [k for k in by_b if k not in by_a])
+    by_a = {r.key: r for r in da.records if r.io != "logprob"}
+    by_b = {r.key: r for r in db.records if r.io != "logprob"}
+    pairs = [tensor_diff(by_a[k], by_b[k], nan_equal=nan_equal) for k in by_a if k in by_b]
+    result = Comparison(pairs, [], [k for k in by_a if k not in by_b], [k for k in by_b if k not in by_a], notes=notes)
     _judge_calls(result, da, db)
     if not (da.inputs and db.inputs):
         result.notes.append("inputs were not recorded on both sides: origins need them (dump with inputs=True / --inputs)")
@@ -326,7 +395,7 @@ def _judge_calls(result: Comparison, da: Dump, db: Dump) -> None:
         per_call.setdefault((diff.fqn, diff.call), []).append(diff)
     spans = {(c.fqn, c.call): c for c in da.calls}
     order = sorted(spans.values(), key=lambda c: c.end)  # execution order: a call when it completes (children first)
-    band_rank = {name: i for i, (name, _) in enumerate(BANDS)}
+    band_rank = BAND_RANK
     for info in order:
         diffs = per_call.get((info.fqn, info.call), [])
         outputs = [d for d in diffs if d.io == "out"]
@@ -454,22 +523,125 @@ def _root_logits_and_ids(dump: Dump) -> tuple[torch.Tensor | None, torch.Tensor 
     return logits, ids
 
 
-def logprob_metrics(da: Dump, db: Dump) -> dict[str, float] | None:
-    """Per-token log-prob of the next token, side a vs side b: |delta| max and mean, K3 KL, bitwise share."""
-    logits_a, ids = _root_logits_and_ids(da)
-    logits_b, _ = _root_logits_and_ids(db)
-    if logits_a is None or logits_b is None or ids is None or logits_a.shape != logits_b.shape or logits_a.dim() != 3:
+@dataclass(frozen=True)
+class LogprobView:
+    """One side's per-token log-probs: per sequence, its token ids, prompt length and fp32 log-probs
+    of ``tokens[1:]``; ``vocab`` when they were taken from logits here."""
+
+    sequences: list[Sequence]
+    logprobs: list[torch.Tensor]
+    vocab: int | None
+    origin: str
+
+
+def logprob_view(dump: Dump) -> LogprobView | None:
+    """Recorded log-probs (an engine's), else ``log_softmax(logits.float())`` of the root's logits at
+    the root's token ids (each batch row one sequence, all prompt), else None."""
+    recorded = dump.logprob_records()
+    if recorded and dump.sequences:
+        by_index = {r.path: r.tensor for r in recorded}
+        values = []
+        for i, _ in enumerate(dump.sequences):
+            tensor = by_index.get(f"seq[{i}]")
+            if tensor is None:
+                raise PrecisionError(f"dump {dump.source}: sequence {i} has token ids but no log-prob record seq[{i}]")
+            values.append(tensor.double())
+        return LogprobView(list(dump.sequences), values, None, "recorded")
+    logits, ids = _root_logits_and_ids(dump)
+    if logits is None or ids is None or logits.dim() != 3 or ids.dim() != 2 or tuple(ids.shape) != tuple(logits.shape[:2]):
         return None
-    target = ids[:, 1:].long()
-    lp_a = torch.log_softmax(logits_a[:, :-1].double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    lp_b = torch.log_softmax(logits_b[:, :-1].double(), -1).gather(-1, target.unsqueeze(-1)).squeeze(-1)
-    delta = (lp_a - lp_b).abs()
-    log_ratio = lp_b - lp_a
+    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
+    sequences = [Sequence(tuple(int(t) for t in row), len(row)) for row in ids.tolist()]
+    return LogprobView(sequences, [row.double() for row in lp], int(logits.shape[-1]), "from the root's logits")
+
+
+def _stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
+    if a.numel() == 0:
+        return {"max": 0.0, "mean": 0.0, "k3_kl": 0.0, "bitwise_share": 1.0, "tokens": 0.0}
+    delta = (a - b).abs()
+    log_ratio = b - a
     k3 = (log_ratio.exp() - 1) - log_ratio  # Schulman's K3 estimate of KL(a || b) on a's tokens
     return {
         "max": float(delta.max()),
         "mean": float(delta.mean()),
         "k3_kl": float(k3.mean()),
-        "bitwise_share": float((lp_a == lp_b).double().mean()),
+        "bitwise_share": float((a == b).double().mean()),
         "tokens": float(delta.numel()),
     }
+
+
+def _not_comparable(why: str) -> dict[str, Any]:
+    return {"comparable": False, "why": why}
+
+
+def logprob_metrics(da: Dump, db: Dump) -> dict[str, Any] | None:
+    """Per-token log-probs, side a vs side b: |delta| max and mean, K3 KL, bitwise-equal share, over
+    all tokens and split into prompt and generated ones. ``comparable`` is False (``why`` says why)
+    when the token ids, lengths, vocabularies or models differ; ``non_finite`` counts NaN/Inf, over
+    which nothing is averaged. None: neither side holds log-probs or logits."""
+    va, vb = logprob_view(da), logprob_view(db)
+    if va is None and vb is None:
+        return None
+    for view, label, dump in ((va, "a", da), (vb, "b", db)):
+        if view is None:
+            return _not_comparable(f"side {label} ({dump.source}) holds no log-probs: no logprob records and no root logits with token ids")
+    assert va is not None and vb is not None
+    if da.model and db.model and da.model != db.model:
+        return _not_comparable(f"the dumps are of different models (a: {da.model}, b: {db.model})")
+    if va.vocab is not None and vb.vocab is not None and va.vocab != vb.vocab:
+        return _not_comparable(f"the vocabularies differ (a: {va.vocab} logits per token, b: {vb.vocab})")
+    if len(va.sequences) != len(vb.sequences):
+        return _not_comparable(f"side a has {len(va.sequences)} sequence(s), side b {len(vb.sequences)}")
+    for i, (sa, sb) in enumerate(zip(va.sequences, vb.sequences, strict=True)):
+        if len(sa.tokens) != len(sb.tokens):
+            return _not_comparable(f"sequence {i}: {len(sa.tokens)} tokens on side a, {len(sb.tokens)} on side b")
+        if sa.tokens != sb.tokens:
+            k = next(j for j, (x, y) in enumerate(zip(sa.tokens, sb.tokens, strict=True)) if x != y)
+            return _not_comparable(f"sequence {i}: the token ids differ at position {k} (a: {sa.tokens[k]}, b: {sb.tokens[k]})")
+    # which tokens are generated: the side that recorded them knows (an engine's dump); else all are prompt
+    prompt_lens = [max(sa.prompt_len if va.origin == "recorded" else 0, sb.prompt_len if vb.origin == "recorded" else 0) or len(sa.tokens)
+                   for sa, sb in zip(va.sequences, vb.sequences, strict=True)]  # fmt: skip
+    a, b = torch.cat(va.logprobs), torch.cat(vb.logprobs)
+    is_generated = torch.cat([torch.arange(1, len(s.tokens)) >= p for s, p in zip(va.sequences, prompt_lens, strict=True)])
+    finite = torch.isfinite(a) & torch.isfinite(b)
+    result: dict[str, Any] = {"comparable": True, "why": None, **_stats(a[finite], b[finite])}
+    result["non_finite"] = int((~finite).sum())
+    result["tokens"] = float(a.numel())
+    result["prompt"] = _stats(a[finite & ~is_generated], b[finite & ~is_generated])
+    result["generated"] = _stats(a[finite & is_generated], b[finite & is_generated])
+    result["sequences"] = [
+        {"tokens": len(s.tokens), "prompt_len": p, "bitwise": bool(torch.equal(x, y))}
+        for s, p, x, y in zip(va.sequences, prompt_lens, va.logprobs, vb.logprobs, strict=True)
+    ]
+    result["origin"] = {"a": va.origin, "b": vb.origin}
+    if result["non_finite"]:
+        result["why"] = f"{result['non_finite']} log-prob(s) are NaN or Inf on a side; the figures are over the finite ones"
+    return result
+
+
+def gate(logprob: dict[str, Any] | None, fail_above: float) -> str | None:
+    """Why a ``--fail-above`` gate fails (None: it passes). It fails closed: no comparison, a
+    non-finite value or a max |delta| above the limit all fail."""
+    if logprob is None:
+        return "no log-probs to compare: neither side holds logits with token ids or log-prob records"
+    if not logprob.get("comparable"):
+        return f"the log-prob comparison could not be made: {logprob.get('why')}"
+    if logprob.get("non_finite"):
+        return f"{logprob['non_finite']} log-prob(s) are NaN or Inf"
+    if logprob["max"] > fail_above:
+        return f"log-prob |delta| max {logprob['max']:.3g} > --fail-above {fail_above:g}"
+    return None
+
+
+def json_safe(value: Any) -> Any:
+    """Strict JSON: non-finite floats as the strings "NaN", "Infinity", "-Infinity"; tuples as lists."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return "NaN" if math.isnan(value) else ("Infinity" if value > 0 else "-Infinity")
+    if isinstance(value, dict):
+        return {k: json_safe(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_safe(v) for v in value]
+    return value
+
+
+make_callable(__name__, compare)  # fxp.compare(...) calls the function; import fx_precision.compare binds this module

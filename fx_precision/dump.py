@@ -1,30 +1,46 @@
-"""Dumps: every module call's float outputs (inputs on request), in execution order.
+"""Dumps: every module call's float outputs (inputs on request), in execution order, and per-token log-probs.
 
     with DumpRecorder(model, "out/train") as rec:      fxp.dump(model, ids, out="out/train")
         model(ids)
 
-    out/train/                                  (under torch.distributed: out/train/rank{r}/ per rank)
-    ├── manifest.json   {"version": 1, "model": "Qwen3_5ForCausalLM", "rank": 0, "world_size": 1,
-    │                    "inputs": false, "device_type": "cpu", "autocast": "bf16" | null,
+    out/train/                                  (several ranks: out/train/rank{r}/, one per rank, always)
+    ├── manifest.json   {"version": 2, "model": "Qwen3ForCausalLM", "rank": 0, "world_size": 1,
+    │                    "inputs": false, "device_type": "cpu", "autocast": "bf16" | null, "source": "...",
+    │                    "engine": null | {"name": "vllm", "version", "dtype", "custom_ops", "attention", "isa",
+    │                                      "rounding", "threads", ...},
+    │                    "contract": null | {...what was detected about the engine},
+    │                    "sequences": [{"tokens": [ids], "prompt_len": P}],        (token ids a log-prob is of)
     │                    "calls": [{"fqn", "call", "start", "end"}],
-    │                    "records": [{"fqn", "call", "io": "in" | "out", "path", "dtype", "shape", "file"}]}
+    │                    "records": [{"fqn", "call", "io", "path", "dtype", "shape", "file",
+    │                                 "shard": null | {"dim", "rank", "world"}}]}
     └── tensors/000017.pt   one tensor per record (torch.save; read back with torch.load(weights_only=True))
 
+``io`` is ``in`` / ``out`` (module calls) or ``logprob``: ``fqn="<logprobs>"``, ``path="seq[i]"``, the
+fp32 log-prob of every token of sequence i but the first (``tokens[1:]``, prompt then generated).
 A record's ``path`` names the tensor inside the module's inputs (``args[0]``, ``kwargs.hidden_states``)
-or output (``out``, ``out[0]``, ``out.logits``): nested tuples, dicts and ``ModelOutput``s. Calls are
-numbered per module (``call``) and by when they start and end (``start``, ``end``): a call nests
-inside another when its interval does. The root's inputs are always recorded (the token ids the
-log-prob metrics need); other inputs only with ``inputs=True``.
+or output (``out``, ``out[0]``, ``out.logits``). Calls are numbered per module (``call``) and by when
+they start and end (``start``, ``end``): a call nests inside another when its interval does. The
+root's inputs are always recorded (the token ids the log-prob metrics need).
 
-It works on any ``nn.Module`` (a rollout engine's model too, in its own process) and under FSDP2.
-In memory (``Dump``) a recorder can also keep each call's live arguments (``replay=True``), so a
-module can be run again alone on them: the comparator's op-level drill-down.
+A tensor-parallel engine writes one shard per rank: ``shard`` says along which dimension; ``load_dump``
+of the parent directory joins the shards before anything is compared. A training side under
+FSDP2/HSDP records full tensors on every rank; rank 0 speaks for them.
+
+Writing is atomic: a dump is written to a hidden sibling and renamed into place, so an interrupted
+write leaves the old dump or nothing, never a mix; an existing dump is replaced only with
+``overwrite=True``. Reading trusts nothing: each tensor file must sit inside the dump, load with
+``weights_only`` (no code), and have the shape and dtype its record says.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import pickle
+import shutil
+import threading
+import uuid
+import zipfile
 from collections import Counter
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -34,12 +50,16 @@ import torch
 from torch import nn
 from torch.utils._pytree import tree_map
 
+from fx_precision.callable_module import make_callable
 from fx_precision.census import iter_tensors
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 
-DUMP_VERSION = 1
+DUMP_VERSION = 2
+READABLE_VERSIONS = (1, 2)
 MANIFEST = "manifest.json"
+IO_KINDS = ("in", "out", "logprob")
+LOGPROBS = "<logprobs>"  # the fqn of log-prob records
 
 
 @dataclass(frozen=True)
@@ -52,20 +72,42 @@ class CallInfo:
     end: int
 
 
+@dataclass(frozen=True)
+class Shard:
+    """This record is rank ``rank`` of ``world`` pieces of one tensor, split along ``dim``."""
+
+    dim: int
+    rank: int
+    world: int
+
+
 @dataclass
 class Record:
     fqn: str
     call: int
-    io: str  # "in" | "out"
+    io: str  # "in" | "out" | "logprob"
     path: str
     dtype: str
     shape: tuple[int, ...]
     tensor: torch.Tensor | None = None
     file: str | None = None
+    shard: Shard | None = None
 
     @property
     def key(self) -> tuple[str, int, str, str]:
         return (self.fqn, self.call, self.io, self.path)
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """The token ids of one sequence (prompt then generated) whose log-probs a dump holds."""
+
+    tokens: tuple[int, ...]
+    prompt_len: int
+
+    @property
+    def generated(self) -> int:
+        return len(self.tokens) - self.prompt_len
 
 
 @dataclass
@@ -82,30 +124,108 @@ class Dump:
     source: str = "in-process"
     device_type: str = "cpu"
     autocast: str | None = None  # the autocast dtype the forward ran under ("bf16"), None: no autocast
+    engine: dict[str, Any] | None = None  # how an inference engine ran (its own side of a comparison)
+    contract: dict[str, Any] | None = None  # what was detected about the engine's arithmetic
+    sequences: list[Sequence] = field(default_factory=list)
 
-    def save(self, out: str | os.PathLike[str]) -> Path:
-        """Write ``manifest.json`` and ``tensors/`` under ``out`` (``out/rank{r}`` when world_size > 1)."""
+    def add_logprobs(self, sequence: Sequence, logprobs: torch.Tensor) -> None:
+        """Record the log-probs of ``sequence.tokens[1:]`` (one fp32 value per token)."""
+        values = logprobs.detach().to(torch.float32).reshape(-1).cpu()
+        if values.numel() != len(sequence.tokens) - 1:
+            raise PrecisionError(
+                f"log-probs of a sequence of {len(sequence.tokens)} tokens: expected {len(sequence.tokens) - 1} values (every token "
+                f"but the first), got {values.numel()}"
+            )
+        index = len(self.sequences)
+        self.sequences.append(sequence)
+        self.records.append(Record(LOGPROBS, 0, "logprob", f"seq[{index}]", "fp32", tuple(values.shape), values))
+
+    def logprob_records(self) -> list[Record]:
+        return [r for r in self.records if r.io == "logprob"]
+
+    def save(self, out: str | os.PathLike[str], *, overwrite: bool = False) -> Path:
+        """Write ``manifest.json`` and ``tensors/`` under ``out`` (``out/rank{r}`` when world_size > 1), atomically."""
         root = Path(out) / f"rank{self.rank}" if self.world_size > 1 else Path(out)
-        (root / "tensors").mkdir(parents=True, exist_ok=True)
-        entries = []
-        for i, record in enumerate(self.records):
-            name = f"tensors/{i:06d}.pt"
-            if record.tensor is not None:
-                torch.save(record.tensor, root / name)
-            entries.append({**{k: v for k, v in asdict(record).items() if k != "tensor"}, "file": name})
-        manifest = {
-            "version": DUMP_VERSION,
-            "model": self.model,
-            "rank": self.rank,
-            "world_size": self.world_size,
-            "inputs": self.inputs,
-            "device_type": self.device_type,
-            "autocast": self.autocast,
-            "calls": [asdict(c) for c in self.calls],
-            "records": entries,
-        }
-        (root / MANIFEST).write_text(json.dumps(manifest, indent=1))
+        check_out_path(root, overwrite=overwrite)
+        root.parent.mkdir(parents=True, exist_ok=True)
+        staging = root.parent / f".{root.name}.writing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        try:
+            (staging / "tensors").mkdir(parents=True)
+            entries = []
+            for i, record in enumerate(self.records):
+                name = f"tensors/{i:06d}.pt"
+                if record.tensor is not None:
+                    torch.save(record.tensor, staging / name)
+                entry = {k: v for k, v in asdict(record).items() if k not in ("tensor", "shard")}
+                entries.append({**entry, "file": name, "shard": asdict(record.shard) if record.shard else None})
+            manifest = {
+                "version": DUMP_VERSION,
+                "model": self.model,
+                "rank": self.rank,
+                "world_size": self.world_size,
+                "inputs": self.inputs,
+                "device_type": self.device_type,
+                "autocast": self.autocast,
+                "source": self.source,
+                "engine": self.engine,
+                "contract": self.contract,
+                "sequences": [{"tokens": list(s.tokens), "prompt_len": s.prompt_len} for s in self.sequences],
+                "calls": [asdict(c) for c in self.calls],
+                "records": entries,
+            }
+            (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
+            replace_dump(staging, root)
+        except BaseException:
+            shutil.rmtree(staging, ignore_errors=True)
+            raise
         return root
+
+
+def replace_dump(staging: Path, root: Path) -> None:
+    """``staging`` becomes ``root``; an old dump at ``root`` is moved aside first and removed after
+    (between the two renames neither is at ``root``: never a mix)."""
+    old = None
+    if root.exists():
+        old = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
+        os.replace(root, old)
+    os.replace(staging, root)
+    if old is not None:
+        shutil.rmtree(old, ignore_errors=True)
+
+
+def check_out_path(out: str | os.PathLike[str], *, overwrite: bool) -> Path:
+    """Refuse, before anything runs, an output path a dump cannot be written to whole.
+
+    Fine: a new path whose parent can be created or written, an empty directory, or an existing
+    dump with ``overwrite``. Refused: an empty path, a file, a directory holding anything but a
+    dump, a dump without ``overwrite``, an unwritable place.
+    """
+    if str(out).strip() == "":
+        raise PrecisionError("--out is empty; name the dump directory to write")
+    root = Path(out)
+    if root.exists() and not root.is_dir():
+        raise PrecisionError(f"--out {root}: a file is there; a dump is a directory. Pick another path")
+    if root.is_dir() and any(root.iterdir()):
+        is_dump = (root / MANIFEST).exists() or any(p.name.startswith("rank") and (p / MANIFEST).exists() for p in root.iterdir())
+        if not is_dump:
+            raise PrecisionError(
+                f"--out {root}: the directory holds files that are not a dump; refusing to replace them. Pick another path"
+            )
+        if not overwrite:
+            raise PrecisionError(
+                f"--out {root} holds a dump already; pass --overwrite (overwrite=True) to replace it whole, or pick another path"
+            )
+    parent = root.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise PrecisionError(f"--out {root}: {parent} is not writable; pick a directory you can write to")
+    return root
+
+
+# ---------------------------------------------------------------------------------------------
+# reading
+# ---------------------------------------------------------------------------------------------
 
 
 def load_dump(path: str | os.PathLike[str]) -> Dump | dict[int, Dump]:
@@ -119,19 +239,61 @@ def load_dump(path: str | os.PathLike[str]) -> Dump | dict[int, Dump]:
     return _load_one(root)
 
 
+def join_ranks(ranks: dict[int, Dump]) -> tuple[Dump, str]:
+    """One dump from per-rank dumps: shards joined along their dimension; full tensors from rank 0.
+    Returns it and a note saying what was done."""
+    first = ranks[min(ranks)]
+    sharded = [r for d in ranks.values() for r in d.records if r.shard is not None]
+    if not sharded:
+        return first, f"{len(ranks)} rank dumps of full tensors: rank {min(ranks)} speaks for all"
+    world = {r.shard.world for r in sharded if r.shard}
+    if len(world) != 1 or sorted(ranks) != list(range(next(iter(world)))):
+        raise PrecisionError(
+            f"dump {first.source}: shards of {sorted(world)} ranks but rank directories {sorted(ranks)}; the dump is incomplete"
+        )
+    joined: list[Record] = []
+    for record in first.records:
+        if record.shard is None:
+            joined.append(record)
+            continue
+        pieces = []
+        for rank in sorted(ranks):
+            match = next((r for r in ranks[rank].records if r.key == record.key), None)
+            if match is None or match.shard is None or match.tensor is None:
+                raise PrecisionError(f"dump {ranks[rank].source}: rank {rank} has no shard of {record.fqn} {record.io} {record.path}")
+            pieces.append(match.tensor)
+        tensor = torch.cat(pieces, dim=record.shard.dim)
+        joined.append(Record(record.fqn, record.call, record.io, record.path, record.dtype, tuple(tensor.shape), tensor))
+    dump = Dump(
+        first.model,
+        joined,
+        list(first.calls),
+        first.inputs,
+        source=f"{first.source} (joined from {len(ranks)} ranks)",
+        device_type=first.device_type,
+        autocast=first.autocast,
+        engine=first.engine,
+        contract=first.contract,
+        sequences=list(first.sequences),
+    )
+    return dump, f"{len(sharded)} shard records joined from {len(ranks)} ranks"
+
+
 def _load_one(root: Path) -> Dump:
     manifest_path = root / MANIFEST
     if not manifest_path.exists():
         raise PrecisionError(f"dump {root}: {MANIFEST} is missing; is this a dump directory (fx-precision dump writes one)?")
     try:
         data = json.loads(manifest_path.read_text())
-    except json.JSONDecodeError as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise PrecisionError(f"dump {manifest_path}: not valid JSON ({exc}); the dump is damaged, write it again") from None
-    if not isinstance(data, dict) or data.get("version") != DUMP_VERSION:
+    except OSError as exc:
+        raise PrecisionError(f"dump {manifest_path}: cannot be read ({exc.strerror or exc})") from None
+    if not isinstance(data, dict) or data.get("version") not in READABLE_VERSIONS:
         version = data.get("version") if isinstance(data, dict) else None
         raise PrecisionError(
-            f"dump {manifest_path}: manifest version {version!r}, this fx_precision reads version {DUMP_VERSION}; "
-            "write the dump again with this version"
+            f"dump {manifest_path}: manifest version {version!r}, this fx_precision reads versions "
+            f"{', '.join(map(str, READABLE_VERSIONS))}; write the dump again with this version"
         )
     try:
         dump = Dump(
@@ -143,21 +305,21 @@ def _load_one(root: Path) -> Dump:
             source=str(root),
             device_type=str(data.get("device_type", "cpu")),
             autocast=data.get("autocast"),
+            engine=data.get("engine"),
+            contract=data.get("contract"),
+            sequences=[Sequence(tuple(int(t) for t in s["tokens"]), int(s["prompt_len"])) for s in data.get("sequences") or []],
         )
         for entry in data["records"]:
+            shard = Shard(**entry["shard"]) if entry.get("shard") else None
             record = Record(
-                entry["fqn"], int(entry["call"]), entry["io"], entry["path"], entry["dtype"], tuple(entry["shape"]), file=entry["file"]
-            )
-            file = root / record.file  # type: ignore[operator]
-            if not file.exists():
-                raise PrecisionError(f"dump {root}: tensor file {file} is gone (record {record.fqn} {record.io} {record.path})")
-            tensor = torch.load(file, weights_only=True)
-            if not isinstance(tensor, torch.Tensor) or tuple(tensor.shape) != record.shape or dtype_name(tensor.dtype) != record.dtype:
-                got = f"{dtype_name(tensor.dtype)} {tuple(tensor.shape)}" if isinstance(tensor, torch.Tensor) else type(tensor).__name__
+                str(entry["fqn"]), int(entry["call"]), entry["io"], str(entry["path"]), str(entry["dtype"]), tuple(entry["shape"]),
+                file=entry["file"], shard=shard,
+            )  # fmt: skip
+            if record.io not in IO_KINDS:
                 raise PrecisionError(
-                    f"dump {root}: {file} holds {got} but the manifest says {record.dtype} {record.shape}; the dump is damaged"
+                    f"dump {manifest_path}: record {record.fqn} {record.path} has io {record.io!r}; one of {', '.join(IO_KINDS)}"
                 )
-            record.tensor = tensor
+            record.tensor = _load_tensor(root, record)
             dump.records.append(record)
     except (KeyError, TypeError, ValueError) as exc:
         if isinstance(exc, PrecisionError):
@@ -166,32 +328,84 @@ def _load_one(root: Path) -> Dump:
     return dump
 
 
+def _load_tensor(root: Path, record: Record) -> torch.Tensor:
+    name = record.file
+    where = f"record {record.fqn or '<root>'} {record.io} {record.path}"
+    if not isinstance(name, str) or not name or Path(name).is_absolute() or ".." in Path(name).parts:
+        raise PrecisionError(f"dump {root}: {where} names {name!r}, not a file inside the dump; the manifest is damaged or crafted")
+    file = root / name
+    if not file.resolve().is_relative_to(root.resolve()):
+        raise PrecisionError(f"dump {root}: {where} names {name!r}, which leads outside the dump; refused")
+    if not file.exists():
+        raise PrecisionError(f"dump {root}: tensor file {file} is gone ({where})")
+    try:
+        tensor = torch.load(file, weights_only=True, map_location="cpu")
+    except pickle.UnpicklingError as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
+        raise PrecisionError(
+            f"dump {root}: {file} is refused by weights_only loading (it carries code or other objects: {first[:200]})"
+        ) from None
+    except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise PrecisionError(f"dump {root}: {file} is not a readable tensor file (truncated or damaged: {first[:200]})") from None
+    if not isinstance(tensor, torch.Tensor):
+        raise PrecisionError(f"dump {root}: {file} holds a {type(tensor).__name__}, not a tensor ({where})")
+    if tuple(tensor.shape) != record.shape or dtype_name(tensor.dtype) != record.dtype:
+        got = f"{dtype_name(tensor.dtype)} {tuple(tensor.shape)}"
+        raise PrecisionError(f"dump {root}: {file} holds {got} but the manifest says {record.dtype} {record.shape}; the dump is damaged")
+    return tensor
+
+
+# ---------------------------------------------------------------------------------------------
+# recording
+# ---------------------------------------------------------------------------------------------
+
+
 def _detach(value: Any) -> Any:
     return tree_map(lambda t: t.detach().clone() if isinstance(t, torch.Tensor) else t, value)
+
+
+_RECORDING: dict[int, DumpRecorder] = {}  # id(model) -> its recorder, while one is entered
+_RECORDING_LOCK = threading.Lock()
 
 
 class DumpRecorder:
     """Forward hooks recording every module call (see the module docstring); removed on exit.
 
-    ``out``: a directory to write on exit (None: keep the ``Dump`` in memory, ``rec.dump``).
-    ``inputs``: record every call's input tensors too. ``replay``: keep each call's live arguments
-    (tensors cloned) so the comparator can run a module again alone.
+    ``out``: a directory to write on exit (None: keep the ``Dump`` in memory, ``rec.dump``);
+    ``overwrite``: replace a dump already there. ``inputs``: record every call's input tensors too.
+    ``replay``: keep each call's live arguments (tensors cloned) so the comparator can run a module
+    again alone. One recorder per model at a time, entered once.
     """
 
-    def __init__(self, model: nn.Module, out: str | os.PathLike[str] | None = None, *, inputs: bool = False, replay: bool = False) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        out: str | os.PathLike[str] | None = None,
+        *,
+        inputs: bool = False,
+        replay: bool = False,
+        overwrite: bool = False,
+    ) -> None:
         if not isinstance(model, nn.Module):
             raise PrecisionError(f"DumpRecorder records an nn.Module, got {type(model).__name__}")
+        if out is not None and not isinstance(out, (str, os.PathLike)):
+            raise PrecisionError(f"DumpRecorder(out={out!r}): a directory path, or None to keep the dump in memory")
         rank, world = 0, 1
         if torch.distributed.is_available() and torch.distributed.is_initialized():
             rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+        if out is not None:  # before anything runs: where this rank's dump will go
+            check_out_path(Path(out) / f"rank{rank}" if world > 1 else out, overwrite=overwrite)
         self.model = model
         self.out = out
+        self.overwrite = overwrite
         self.dump = Dump(type(model).__name__, inputs=inputs, rank=rank, world_size=world)
         self.replay = replay
         self._handles: list[Any] = []
         self._calls: Counter[str] = Counter()
         self._clock = 0
         self._open: dict[int, list[tuple[str, int, int]]] = {}
+        self._entered = False
 
     def _tick(self) -> int:
         self._clock += 1
@@ -227,6 +441,16 @@ class DumpRecorder:
         return hook
 
     def __enter__(self) -> DumpRecorder:
+        if self._entered:
+            raise PrecisionError("this DumpRecorder was entered already; one recorder records one forward: make a new one")
+        with _RECORDING_LOCK:
+            if id(self.model) in _RECORDING:
+                raise PrecisionError(
+                    f"{type(self.model).__name__} is being recorded by another DumpRecorder (another thread or an outer "
+                    "`with`); two recorders on one model would cross their records. Record one forward at a time"
+                )
+            _RECORDING[id(self.model)] = self
+        self._entered = True
         device = next((t.device.type for t in self.model.parameters()), "cpu")
         self.dump.device_type = device if device in ("cpu", "cuda") else "cpu"
         if torch.is_autocast_enabled(self.dump.device_type):
@@ -243,16 +467,24 @@ class DumpRecorder:
     def __exit__(self, exc_type: object, *exc: object) -> None:
         self.remove()
         if exc_type is None and self.out is not None:
-            self.dump.save(self.out)
+            self.dump.save(self.out, overwrite=self.overwrite)
 
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        with _RECORDING_LOCK:
+            if _RECORDING.get(id(self.model)) is self:
+                del _RECORDING[id(self.model)]
 
 
-def dump(model: nn.Module, *args: Any, out: str | os.PathLike[str] | None = None, inputs: bool = False, **kwargs: Any) -> Dump:
+def dump(
+    model: nn.Module, *args: Any, out: str | os.PathLike[str] | None = None, inputs: bool = False, overwrite: bool = False, **kwargs: Any
+) -> Dump:
     """Run ``model(*args, **kwargs)`` once (under whatever autocast is active) and record it."""
-    with torch.no_grad(), DumpRecorder(model, out, inputs=inputs) as recorder:
+    with torch.no_grad(), DumpRecorder(model, out, inputs=inputs, overwrite=overwrite) as recorder:
         model(*args, **kwargs)
     return recorder.dump
+
+
+make_callable(__name__, dump)  # fxp.dump(...) calls the function; import fx_precision.dump binds this module

@@ -10,14 +10,20 @@ Everything is validated before the first ``fully_shard``; on a bad plan the mode
 
 from __future__ import annotations
 
-from typing import Any
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
 
 from fx_precision.dtypes import axis_dtype
 from fx_precision.errors import PrecisionError
-from fx_precision.plan import PrecisionPlan, check_plan_matches, unit_label
+from fx_precision.module_graph import module_label
+from fx_precision.plan import PrecisionPlan, check_plan_matches
+
+if TYPE_CHECKING:
+    from fx_precision.policy import PrecisionPolicy
 
 
 def _fsdp() -> Any:
@@ -67,7 +73,7 @@ def _check_applicable(model: nn.Module, plan: PrecisionPlan, mesh: Any) -> None:
     fsdp = _fsdp()
     for fqn, module in model.named_modules():
         if isinstance(module, fsdp.FSDPModule):
-            raise PrecisionError(f"module {unit_label(fqn)!r} is already wrapped by fully_shard; apply_fsdp2 wraps a plain model once")
+            raise PrecisionError(f"module {module_label(fqn)!r} is already wrapped by fully_shard; apply_fsdp2 wraps a plain model once")
     for fqn, p in model.named_parameters():
         if type(p.data).__name__ == "DTensor" or p.device.type == "meta":
             raise PrecisionError(
@@ -81,19 +87,26 @@ def apply_fsdp2(
     plan: PrecisionPlan,
     *,
     mesh: Any,
-    reduce_dtype: torch.dtype = torch.float32,
-    cast_forward_inputs: bool = True,
+    policy: PrecisionPolicy | None = None,
+    reduce_dtype: torch.dtype | None = None,
+    cast_forward_inputs: bool | None = None,
     reshard_after_forward: bool = True,
     offload_policy: Any = None,
 ) -> None:
     """Convert each parameter to its master dtype, then ``fully_shard`` every unit in plan order.
 
-    ``cast_forward_inputs``: pass ``policy.cast_forward_inputs`` from a resolved
-    ``PrecisionPolicy`` (False exactly when an autocast compute dtype is set). ``fsdp_units(model)``
-    reads back what was applied.
+    ``policy`` supplies the reduce dtype and ``cast_forward_inputs`` (False exactly when an autocast
+    compute dtype is set: FSDP2's boundary re-cast would undo it). With no policy no autocast is
+    assumed: reduce fp32, ``cast_forward_inputs=True`` (FSDP2's own default). ``reduce_dtype`` /
+    ``cast_forward_inputs`` given explicitly win over the policy. ``fsdp_units(model)`` reads back
+    what was applied.
     """
     fsdp = _fsdp()
     _check_applicable(model, plan, mesh)
+    if reduce_dtype is None:
+        reduce_dtype = policy.reduce if policy is not None else torch.float32
+    if cast_forward_inputs is None:
+        cast_forward_inputs = bool(policy.cast_forward_inputs) if policy is not None else True
     reduce_dtype = axis_dtype(reduce_dtype, "apply_fsdp2 reduce_dtype")
     modules = dict(model.named_modules())
     params = dict(model.named_parameters())
@@ -120,3 +133,28 @@ def fsdp_units(model: nn.Module) -> list[tuple[str, Any]]:
         if isinstance(module, fsdp.FSDPModule):
             out.append((fqn, module._get_fsdp_state()._mp_policy))
     return out
+
+
+@contextlib.contextmanager
+def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
+    """Eager gather emulation on one device, as FSDP2 gathers: every call of the model sees each
+    parameter at its planned gather dtype (a cast of the master, differentiable), however the forward
+    reaches it: through its module, or directly (GatedDeltaNet reads ``self.conv1d.weight`` itself)."""
+    from torch.nn.utils.stateless import _reparametrize_module
+
+    names = {fqn: plan.param(fqn).gather for fqn, p in model.named_parameters() if p.is_floating_point()}
+    if all(model.get_parameter(fqn).dtype == dtype for fqn, dtype in names.items()):
+        yield
+        return
+    original = model.forward
+
+    def forward(*args: Any, **kwargs: Any) -> Any:
+        cast = {fqn: model.get_parameter(fqn).to(dtype) for fqn, dtype in names.items()}
+        with _reparametrize_module(model, cast, tie_weights=True):
+            return original(*args, **kwargs)
+
+    model.forward = forward  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        model.forward = original  # type: ignore[method-assign]

@@ -22,6 +22,7 @@ from tabulate import tabulate
 from torch import nn
 
 from fx_precision.autocast import ambient_compute, autocast_context
+from fx_precision.callable_module import make_callable
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import fsdp_units
@@ -254,3 +255,6 @@ def lint(
         # every round on a copy: the findings of the graph as traced, then the masked ones
         report.graphs.append(run_pipeline(copy_graph_module(cap.gm), ctx, Mode.REPORT).report_analysis())
     return report
+
+
+make_callable(__name__, lint)  # fxp.lint(...) calls the function; import fx_precision.lint binds this module

@@ -22,7 +22,6 @@ dtypes (``selection``), then the fewest units (``unit_solver``).
 from __future__ import annotations
 
 import json
-import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,23 +32,6 @@ from torch import nn
 from fx_precision.dtypes import AXIS_DTYPES, dtype_name, parse_dtype
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
-
-
-def __getattr__(name: str) -> Any:
-    """``fx_precision.plan.compile_precision`` moved to ``fx_precision.lowering`` (works, with a warning)."""
-    if name == "compile_precision":
-        warnings.warn(
-            "fx_precision.plan.compile_precision moved to fx_precision.lowering (or use fx_precision.compile_precision)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        from fx_precision.lowering import compile_precision
-
-        return compile_precision
-    raise AttributeError(f"module 'fx_precision.plan' has no attribute {name!r}")
-
-
-unit_label = module_label  # a unit is named by its module
 
 
 @dataclass(frozen=True)
@@ -88,7 +70,7 @@ class UnitPlan:
     @property
     def label(self) -> str:
         """How tables name the unit: ``<root>``, a module FQN, or ``a+b`` for a group unit."""
-        return "+".join(self.group) if self.group else unit_label(self.fqn)
+        return "+".join(self.group) if self.group else module_label(self.fqn)
 
 
 @dataclass
@@ -117,7 +99,7 @@ class PrecisionPlan:
         for unit in self.units:
             if unit.fqn == fqn:
                 return unit
-        raise PrecisionError(f"{unit_label(fqn)!r} is not a unit of this plan; units: {[unit_label(u.fqn) for u in self.units]}")
+        raise PrecisionError(f"{module_label(fqn)!r} is not a unit of this plan; units: {[module_label(u.fqn) for u in self.units]}")
 
     @property
     def unit_fqns(self) -> tuple[str, ...]:
@@ -298,7 +280,7 @@ def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
         seen.add((unit.fqn, unit.group))
         for fqn in unit.group or (unit.fqn,):
             if fqn not in modules:
-                raise PrecisionError(f"plan unit {unit.label!r}: {unit_label(fqn)!r} is not a module of this model; recompile the plan")
+                raise PrecisionError(f"plan unit {unit.label!r}: {module_label(fqn)!r} is not a module of this model; recompile the plan")
     roots = [u for u in plan.units if u.kind == "root"]
     if len(roots) != 1 or roots[0].fqn != "" or plan.units[-1] is not roots[0]:
         raise PrecisionError(
@@ -313,10 +295,10 @@ def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
                 "precision axes take fp32, bf16, fp16"
             )
         if p.unit not in gathers:
-            raise PrecisionError(f"plan parameter {p.fqn} is claimed by {unit_label(p.unit)!r}, which is not a unit of the plan")
+            raise PrecisionError(f"plan parameter {p.fqn} is claimed by {module_label(p.unit)!r}, which is not a unit of the plan")
         if gathers[p.unit] != p.gather:
             raise PrecisionError(
-                f"plan parameter {p.fqn} gathers at {dtype_name(p.gather)} but its unit {unit_label(p.unit)!r} gathers at "
+                f"plan parameter {p.fqn} gathers at {dtype_name(p.gather)} but its unit {module_label(p.unit)!r} gathers at "
                 f"{dtype_name(gathers[p.unit])}; one unit gathers at one dtype. Recompile the plan"
             )
 

@@ -6,7 +6,9 @@
     ├── compute  bf16   torch.autocast dtype of the forward (None: no autocast)
     ├── reduce   fp32   FSDP2 reduce_dtype (gradient reduce-scatter)
     ├── spec            arch rules (from resolve_policy) followed by the user's rules
-    └── cast_forward_inputs = False   <- resolved: False exactly when compute is set
+    ├── cast_forward_inputs = False   <- resolved: False exactly when compute is set
+    └── contract        an EngineContract: the backend rewrites the graph to compute what the rollout
+                        engine computes (gather and compute bf16)
 
 ``cast_forward_inputs=True`` makes every FSDP2 unit re-cast its float inputs to its gather dtype;
 under autocast that silently upcasts the activation stream to fp32 at every unit boundary.
@@ -25,11 +27,13 @@ from torch import nn
 from fx_precision.archs import arch_rules
 from fx_precision.autocast import autocast_context
 from fx_precision.dtypes import AXIS_DTYPES, COMPUTE_DTYPES, axis_dtype, dtype_name
+from fx_precision.errors import PrecisionError
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import PrecisionSpec
 
 if TYPE_CHECKING:
+    from fx_precision.contract import EngineContract
     from fx_precision.eager_fix import EagerFix
 
 
@@ -41,6 +45,7 @@ class PrecisionPolicy:
     reduce: torch.dtype = torch.float32
     spec: PrecisionSpec = field(default_factory=PrecisionSpec)
     cast_forward_inputs: bool | None = None
+    contract: EngineContract | None = None  # compute what a rollout engine computes (the backend rewrites the graph)
 
     def __post_init__(self) -> None:
         for axis in ("master", "gather", "compute", "reduce"):
@@ -51,12 +56,19 @@ class PrecisionPolicy:
             object.__setattr__(self, axis, axis_dtype(value, f"PrecisionPolicy.{axis}", allowed))
         if self.cast_forward_inputs is None:
             object.__setattr__(self, "cast_forward_inputs", self.compute is None)
+        if self.contract is not None and (self.compute != torch.bfloat16 or self.gather != torch.bfloat16):
+            raise PrecisionError(
+                f"PrecisionPolicy(contract=...): the engine runs bf16 weights and bf16 compute; this policy gathers at "
+                f"{dtype_name(self.gather)} and computes at {dtype_name(self.compute) if self.compute else 'no autocast'}. "
+                "Use gather=bf16, compute=bf16 (fp32 masters stay)"
+            )
 
     def describe(self) -> str:
         return (
             f"master {dtype_name(self.master) if self.master else 'as loaded'}, gather {dtype_name(self.gather)}, "
             f"compute {dtype_name(self.compute) if self.compute else 'none (no autocast)'}, reduce {dtype_name(self.reduce)}, "
             f"cast_forward_inputs {self.cast_forward_inputs}, {len(self.spec)} rule(s)"
+            + (f", engine contract ({self.contract.engine} {self.contract.version or ''})".replace(" )", ")") if self.contract else "")
         )
 
     def plan(self, model: nn.Module, wrap: Sequence[str] = ()) -> PrecisionPlan:

@@ -21,8 +21,7 @@ from torch import nn
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
-from fx_precision.module_graph import ParamInfo
-from fx_precision.plan import unit_label
+from fx_precision.module_graph import ParamInfo, module_label
 from fx_precision.spec import DEFAULT, AxisDtype, ParamSel, Rule
 
 
@@ -109,7 +108,7 @@ def selected_aliases(
             hits.add(alias)
     if not hits:
         raise PrecisionError(
-            f"rule {rule.text()!r} selects module(s) {', '.join(unit_label(m) for m in matched[:3])} but they hold no "
+            f"rule {rule.text()!r} selects module(s) {', '.join(module_label(m) for m in matched[:3])} but they hold no "
             "floating parameter; point it at a module with parameters or drop it."
         )
     return hits

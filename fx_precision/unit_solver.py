@@ -25,8 +25,8 @@ from torch import nn
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
-from fx_precision.module_graph import ModuleGraph, ParamInfo
-from fx_precision.plan import UnitPlan, unit_label
+from fx_precision.module_graph import ModuleGraph, ParamInfo, module_label
+from fx_precision.plan import UnitPlan
 from fx_precision.selection import Resolved, suggest
 
 Resolution = dict[int, tuple[Resolved, Resolved]]
@@ -180,7 +180,7 @@ def _direct_gathers(
         if len(dtypes) > 1:
             names = [f"{infos[k].fqn}={dtype_name(resolved[k][0].dtype)}" for k in home_params[home]]
             raise PrecisionError(
-                f"module {unit_label(graph.first_fqn[home])!r} holds parameters that need different gather dtypes "
+                f"module {module_label(graph.first_fqn[home])!r} holds parameters that need different gather dtypes "
                 f"({', '.join(names)}); one FSDP2 unit gathers at one dtype, and no module boundary separates them. "
                 "Give them the same gather dtype, or move one into a submodule of its own."
             )
@@ -380,15 +380,15 @@ def _check_claims(
         if len(info.holders) > 1:
             raise PrecisionError(
                 f"tied parameter {info.fqn} (also {', '.join(info.aliases[1:])}) would be claimed by unit "
-                f"{unit_label(graph.first_fqn[owner])!r}, which does not enclose all its uses; FSDP2 needs a tied "
+                f"{module_label(graph.first_fqn[owner])!r}, which does not enclose all its uses; FSDP2 needs a tied "
                 "parameter in a unit that encloses every module using it. Remove that unit from wrap= or untie."
             )
         for anc in graph.dom_ancestors(info.holders[0]):
             if len(graph.parents.get(anc, [])) > 1:
                 return anc
         raise PrecisionError(  # pragma: no cover - defensive
-            f"parameter {info.fqn} would be claimed by unit {unit_label(graph.first_fqn[owner])!r} instead of "
-            f"{unit_label(graph.first_fqn[expected])!r}; please report this model"
+            f"parameter {info.fqn} would be claimed by unit {module_label(graph.first_fqn[owner])!r} instead of "
+            f"{module_label(graph.first_fqn[expected])!r}; please report this model"
         )
     for key, (g, _) in resolved.items():
         if chosen[claims[key]] != g.dtype:  # pragma: no cover - the solver guarantees this

@@ -29,7 +29,7 @@ def wrapped_model(
     model = build_model(model_name, seed=seed)
     policy = resolve_policy(model, gather="fp32", compute=compute, spec=parse_precision_rules(rules))
     plan = policy.plan(model, wrap=layer_wrap_globs(model))
-    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size, mesh), cast_forward_inputs=bool(policy.cast_forward_inputs))
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size, mesh), policy=policy)
     return model, policy, plan
 
 
@@ -162,7 +162,7 @@ def per_block_eager_fix(rank: int, world_size: int, arch_name: str, eager_fix: b
     plan = policy.plan(model, wrap=layer_wrap_globs(model))
     ids = torch.randint(0, model.config.vocab_size, (spec.batch, 8), generator=torch.Generator().manual_seed(rank))
     fix = eager_casts(model, input_ids=ids, policy=policy, plan=plan) if eager_fix else None
-    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
     if fix is not None:
         fix.apply(model)
     streams: list[int] = []

@@ -1,10 +1,9 @@
-"""The package surface: lazy imports, names that are functions and modules alike, moved paths."""
+"""The package surface: lazy imports, the four names that are modules callable as their functions."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
-import warnings
 
 import torch
 
@@ -23,14 +22,27 @@ def test_importing_the_package_or_the_spec_loads_neither_dynamo_nor_fsdp() -> No
     assert run(code) == "[]"
 
 
-def test_functions_keep_their_names_after_their_submodules_are_imported() -> None:
+def test_the_four_names_are_modules_and_call_as_their_functions() -> None:
     code = (
         "import fx_precision as fxp\n"
-        "import fx_precision.lint, fx_precision.census, fx_precision.dump, fx_precision.compare\n"
+        "import fx_precision.lint as lint_module, fx_precision.census, fx_precision.dump, fx_precision.compare\n"
         "from fx_precision.lint import LintReport\n"
-        "print(all(callable(f) and not isinstance(f, type(fxp)) for f in (fxp.lint, fxp.census, fxp.dump, fxp.compare)))"
+        "import types\n"
+        "mods = (fxp.lint, fxp.census, fxp.dump, fxp.compare)\n"
+        "print(all(isinstance(m, types.ModuleType) and callable(m) for m in mods), lint_module is fxp.lint,\n"
+        "      lint_module.LintReport is LintReport, fxp.lint.lint.__name__)"
     )
-    assert run(code) == "True"
+    assert run(code) == "True True True lint"
+
+
+def test_the_package_calls_work_before_and_after_a_submodule_import() -> None:
+    from torch import nn
+
+    import fx_precision as fxp
+
+    model = nn.Sequential(nn.Linear(4, 4))
+    recorded = fxp.dump(model, torch.randn(2, 4))  # the module, called
+    assert recorded.records and fxp.dump.dump is not None
 
 
 def test_every_exported_name_resolves() -> None:
@@ -38,31 +50,3 @@ def test_every_exported_name_resolves() -> None:
 
     for name in fx_precision.__all__:
         assert getattr(fx_precision, name) is not None, name
-
-
-def test_moved_tool_modules_import_from_their_old_paths_with_a_warning() -> None:
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        import fx_precision.tools.zoo as new
-
-        old = __import__("fx_precision.toy_decoder", fromlist=["ToyDecoder"])
-    assert old.ToyDecoder is __import__("fx_precision.tools.toy_decoder", fromlist=["ToyDecoder"]).ToyDecoder
-    assert new.build_model is not None
-    assert any(issubclass(w.category, DeprecationWarning) and "fx_precision.tools.toy_decoder" in str(w.message) for w in caught)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        from fx_precision.plan import compile_precision
-    assert callable(compile_precision) and any("fx_precision.lowering" in str(w.message) for w in caught)
-
-
-def test_the_old_cast_query_of_graph_reports_still_works_with_a_warning() -> None:
-    from fx_precision.backend import GraphReport
-    from fx_precision.passes.gather_emulation import InsertedCast
-    from fx_precision.passes.kinds import CastKind
-
-    cast = InsertedCast("to_1", "w", torch.float32, torch.bfloat16, "gather emulation: unit <root>", "", kind=CastKind.GATHER)
-    report = GraphReport(0, "enforce", torch.bfloat16, casts=[cast])
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        assert report.casts_for("gather emulation") == [cast] == report.gather_casts
-    assert any(issubclass(w.category, DeprecationWarning) for w in caught)

@@ -5,7 +5,7 @@ Each is a ``str`` enum: it compares equal to, formats as and serialises to its v
 
     NodeKind   weight | constant | input | compute | intentional | source | propagation | other
     Severity   info < warn < error
-    CastKind   gather-emulation | source-output | source-operand | dtype-following | covered-narrowing
+    CastKind   gather-emulation | source-output | source-operand | dtype-following | covered-narrowing | engine-contract
 """
 
 from __future__ import annotations
@@ -70,3 +70,4 @@ class CastKind(_TextEnum):
     SOURCE_OPERAND = "source-operand"  # a promotion's module-crossing operand, for that use
     RETARGET = "dtype-following"  # a traced cast / factory dtype that followed a narrowed value
     COVERED = "covered-narrowing"  # a wide tensor only autocast-covered ops use, at its producer
+    ENGINE = "engine-contract"  # an op rewritten to compute what the rollout engine computes

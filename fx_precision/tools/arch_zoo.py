@@ -63,9 +63,10 @@ class Arch:
     patterns: tuple[str, ...] = ()
     batch: int = 2
 
-    def build(self, seed: int = 0) -> nn.Module:
+    def build(self, seed: int = 0, dims: dict[str, Any] | None = None) -> nn.Module:
+        """The model at the sweep's tiny sizes, or at ``dims`` (the checkpoint writer's engine sizes)."""
         transformers = require_transformers()
-        kwargs = {**_DIMS, **self.overrides}
+        kwargs = {**(dims or _DIMS), **self.overrides}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None: the config has no such field
         try:
             config = getattr(transformers, self.config)(**kwargs)

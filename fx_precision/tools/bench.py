@@ -27,7 +27,7 @@ import platform
 import statistics
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -40,6 +40,7 @@ from fx_precision.archs import input_embedding_fqns
 from fx_precision.backend import make_precision_backend
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
+from fx_precision.fsdp import gathered_eagerly
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import parse_precision_rules
@@ -125,31 +126,6 @@ def machine_info(device: str) -> dict[str, Any]:
 # ---------------------------------------------------------------------------------------------
 # measurement
 # ---------------------------------------------------------------------------------------------
-
-
-@contextlib.contextmanager
-def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
-    """Eager gather emulation, as FSDP2 gathers: every call of the model sees each parameter at its
-    planned gather dtype (a cast of the master, differentiable), however the forward reaches it:
-    through its module, or directly (GatedDeltaNet reads ``self.conv1d.weight`` in its own forward)."""
-    from torch.nn.utils.stateless import _reparametrize_module
-
-    names = {fqn: plan.param(fqn).gather for fqn, p in model.named_parameters() if p.is_floating_point()}
-    if all(model.get_parameter(fqn).dtype == dtype for fqn, dtype in names.items()):
-        yield
-        return
-    original = model.forward
-
-    def forward(*args: Any, **kwargs: Any) -> Any:
-        cast = {fqn: model.get_parameter(fqn).to(dtype) for fqn, dtype in names.items()}
-        with _reparametrize_module(model, cast, tie_weights=True):
-            return original(*args, **kwargs)
-
-    model.forward = forward  # type: ignore[method-assign]
-    try:
-        yield
-    finally:
-        model.forward = original  # type: ignore[method-assign]
 
 
 class _SavedBytes:

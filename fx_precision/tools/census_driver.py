@@ -96,7 +96,7 @@ def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> l
             plan = policy.plan(model, wrap=layer_wrap_globs(model))
             ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
             fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
-            apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
+            apply_fsdp2(model, plan, mesh=mesh, policy=policy)
             if fix is not None:
                 fix.apply(model)  # the FQNs of the plain model are the wrapped model's
             plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in plan.units]

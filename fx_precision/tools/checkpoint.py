@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -173,3 +174,42 @@ def load_checkpoint(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise PrecisionError(f"--model {directory}: loading the weights failed ({first[:300]})") from None
     return model.eval()
+
+
+ENGINE_DIMS: dict[str, Any] = dict(  # tiny, and every head dim one the engine's CPU attention runs (32)
+    vocab_size=2048,
+    hidden_size=128,
+    intermediate_size=256,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    max_position_embeddings=2048,
+    initializer_range=0.05,
+)
+
+
+def write_tiny_checkpoint(arch_name: str, out: str | os.PathLike[str], *, seed: int = 0, overwrite: bool = False) -> Path:
+    """A seeded random checkpoint of an arch-zoo architecture at engine-compatible sizes: bf16 safetensors
+    and config.json (``"torch_dtype": "bfloat16"``), as a published checkpoint is stored."""
+    from fx_precision.tools.arch_zoo import arch
+
+    spec = arch(arch_name)
+    target = Path(out)
+    if target.is_file() or (target.is_dir() and any(target.iterdir())):
+        if not (overwrite and (target / "config.json").is_file()):
+            raise PrecisionError(f"--out {target}: exists and is not empty; pass --overwrite to replace a checkpoint, or pick another path")
+    model = spec.build(seed=seed, dims=ENGINE_DIMS).to(torch.bfloat16)
+    staging = target.parent / f".{target.name}.writing-{os.getpid()}"
+    shutil.rmtree(staging, ignore_errors=True)
+    try:
+        model.save_pretrained(str(staging), safe_serialization=True)
+        config = json.loads((staging / "config.json").read_text())
+        config["torch_dtype"] = "bfloat16"  # as published checkpoints name their storage
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(staging, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return target

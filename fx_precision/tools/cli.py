@@ -18,9 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fx_precision.errors import PrecisionError
@@ -35,16 +37,15 @@ STDOUT = "-"
 
 class Parser(argparse.ArgumentParser):
     """Argument errors follow the verbs' error convention: one line on stderr (with the usage), exit
-    2, and ``{"error": ...}`` on stdout when ``--json`` is on the command line."""
+    2, and ``{"error": ...}`` on stdout when ``--json`` is on the command line being parsed."""
+
+    argv: tuple[str, ...] = ()  # the command line ``main`` parses (its argv, else sys.argv[1:])
 
     def error(self, message: str) -> NoReturn:  # type: ignore[override]
-        if any(arg == "--json" or arg.startswith("--json=") for arg in sys.argv[1:] + list(_ARGV)):
+        if any(arg == "--json" or arg.startswith("--json=") for arg in Parser.argv):
             print(json.dumps({"error": f"{self.prog}: {message}"}))
         self.print_usage(sys.stderr)
         self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-_ARGV: list[str] = []
 
 
 def bounded_int(name: str, low: int, high: int | Callable[[], int], why: str = "") -> Callable[[str], int]:
@@ -89,13 +90,20 @@ def _add_json_arg(p: argparse.ArgumentParser) -> None:
 
 
 def _emit(args: argparse.Namespace, data: Any, text: Callable[[], str]) -> None:
-    """The JSON convention (module docstring): ``data`` as JSON, ``text()`` as the table."""
+    """The JSON convention (module docstring): ``data`` as JSON, ``text()`` as the table. JSON is
+    strict: a non-finite float is written as the string "NaN" / "Infinity"."""
+    from fx_precision.compare import json_safe
+
+    document = json.dumps(json_safe(json.loads(json.dumps(data, default=str))), indent=2, allow_nan=False)
     if args.json == STDOUT:
-        print(json.dumps(data, indent=2, default=str))
+        print(document)
         return
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(data, f, indent=2, default=str)
+        try:
+            with open(args.json, "w") as f:
+                f.write(document)
+        except OSError as exc:
+            raise PrecisionError(f"--json {args.json}: cannot write it ({exc.strerror or exc}); pick a writable path") from None
     print(text())
 
 
@@ -200,22 +208,34 @@ def _census_config(args: argparse.Namespace) -> CensusConfig:
     )
 
 
+def _add_rank_args(p: argparse.ArgumentParser, *, min_ranks: int, default: int, what: str) -> None:
+    """``--world-size`` and ``--mesh``, declared once for every verb that runs ranks."""
+    p.add_argument("--world-size", type=bounded_int("--world-size", min_ranks, _max_ranks, RANKS_WHY), default=None, help=what)
+    p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (R*S ranks; --world-size may say the same)")
+    p.set_defaults(default_world_size=default)
+
+
 def _mesh(args: argparse.Namespace) -> tuple[int, int] | None:
-    """``--mesh RxS`` (HSDP), checked against ``--world-size`` (which it sets when that was left alone)."""
+    """``--mesh RxS`` (HSDP) as (replicas, shards), or None."""
     from fx_precision.tools.distributed import parse_mesh
 
     text = getattr(args, "mesh", None)
-    if not text:
-        return None
-    shape = parse_mesh(text)
+    return parse_mesh(text) if text else None
+
+
+def _world_size(args: argparse.Namespace) -> int:
+    """The ranks to run: the mesh's when ``--mesh`` is given (and ``--world-size``, if given too, must
+    agree), else ``--world-size``, else the verb's default. Never changes ``args``."""
+    shape = _mesh(args)
+    given = getattr(args, "world_size", None)
+    if shape is None:
+        return given if given is not None else getattr(args, "default_world_size", 0)
     ranks = shape[0] * shape[1]
-    if args.world_size in (0, 1):
-        args.world_size = ranks
-    if args.world_size != ranks:
-        raise PrecisionError(f"--mesh {text} is {ranks} ranks but --world-size is {args.world_size}; give one or make them agree")
+    if given is not None and given != ranks:
+        raise PrecisionError(f"--mesh {args.mesh} is {ranks} ranks but --world-size is {given}; give one or make them agree")
     if ranks > _max_ranks():
-        raise PrecisionError(f"--mesh {text} needs {ranks} ranks; this machine holds at most {_max_ranks()} ({RANKS_WHY})")
-    return shape
+        raise PrecisionError(f"--mesh {args.mesh} needs {ranks} ranks; this machine holds at most {_max_ranks()} ({RANKS_WHY})")
+    return ranks
 
 
 def cmd_census(args: argparse.Namespace) -> int:
@@ -233,8 +253,8 @@ def cmd_census(args: argparse.Namespace) -> int:
         raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
     from fx_precision.tools.distributed import launched
 
-    ((cfg, policy, result),) = run_census([_census_config(args)], world_size=args.world_size)
-    ranks = int(os.environ["WORLD_SIZE"]) if launched() else args.world_size
+    ((cfg, policy, result),) = run_census([_census_config(args)], world_size=_world_size(args))
+    ranks = int(os.environ["WORLD_SIZE"]) if launched() else _world_size(args)
     data = {"model": cfg.model, "world_size": ranks, "launcher": launched(), "policy": policy, **result.to_dict()}
     kind = "NCCL (cuda)" if args.device == "cuda" else "gloo"
     note = model_note(cfg.model, cfg.build_dtype())
@@ -312,7 +332,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         steps=args.steps or 5,
         device=args.device,
     )
-    result["command"] = "fx-precision bench " + " ".join(sys.argv[2:]) if sys.argv[1:2] == ["bench"] else "fx-precision bench"
+    result["command"] = " ".join(("fx-precision", *Parser.argv))
     _emit(args, result, lambda: render(result))
     return 0
 
@@ -321,7 +341,7 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from fx_precision.tools.sweep import render, run_sweep
 
     rows = run_sweep(args.arch or None, census=not args.no_census)
-    _emit(args, {"command": "fx-precision sweep " + " ".join(sys.argv[2:]), "rows": rows}, lambda: render(rows))
+    _emit(args, {"command": " ".join(("fx-precision", *Parser.argv)), "rows": rows}, lambda: render(rows))
     failed = [r["arch"] for r in rows if "error" in r or r.get("enforce", {}).get("errors_after")]
     if failed:
         print(f"\nnot compatible: {', '.join(failed)}", file=sys.stderr)
@@ -331,31 +351,43 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
     from fx_precision.tools.compare_sides import SideConfig
 
-    if args.world_size < 0:
-        raise PrecisionError(f"--world-size {args.world_size}: use 0 (one process, no FSDP2) or a number of gloo ranks")
-    return SideConfig(_census_config(args), world_size=args.world_size, compiled=getattr(args, "compiled", False), inputs=inputs)
+    return SideConfig(_census_config(args), world_size=_world_size(args), compiled=getattr(args, "compiled", False), inputs=inputs)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
+    from fx_precision.dump import check_out_path
     from fx_precision.tools.compare_sides import dump_on_ranks, train_dump
+    from fx_precision.tools.distributed import launched
 
+    check_out_path(args.out, overwrite=args.overwrite)  # before any model runs
     side = _side_config(args, inputs=args.inputs)
+    if launched():  # under torchrun every rank writes its own directory, always
+        side = replace(side, world_size=int(os.environ["WORLD_SIZE"]))
     if side.world_size > 0:
-        dumps = dump_on_ranks(side, args.out)
+        dumps = dump_on_ranks(side, args.out, overwrite=args.overwrite)
     else:
         dumps = [train_dump(side)]
-        dumps[0].save(args.out)
-    data = {"out": args.out, "ranks": len(dumps), "records": len(dumps[0].records), "calls": len(dumps[0].calls), "source": dumps[0].source}
+        dumps[0].save(args.out, overwrite=args.overwrite)
+    ranks = side.world_size or 1
+    data = {"out": args.out, "ranks": ranks, "records": len(dumps[0].records), "calls": len(dumps[0].calls), "source": dumps[0].source}
     _emit(
         args,
         data,
-        lambda: f"wrote {args.out}: {len(dumps)} rank(s), {data['records']} tensors of {data['calls']} module calls ({data['source']})",
+        lambda: f"wrote {args.out}: {ranks} rank(s), {data['records']} tensors of {data['calls']} module calls ({data['source']})",
     )
     return 0
 
 
+BUILT_IN_SIDE_OPTIONS = ("model", "rules", "wrap", "gather", "compute", "master", "cast_forward_inputs", "arch_rules", "batch", "seq_len",
+                         "rollout", "world_size", "mesh", "compiled", "eager_fix")  # fmt: skip
+
+
+def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Sequence[str]) -> list[str]:
+    return [f"--{n.replace('_', '-')}" for n in names if hasattr(args, n) and getattr(args, n) != parser_defaults.get(n)]
+
+
 def cmd_compare(args: argparse.Namespace) -> int:
-    from fx_precision.compare import compare
+    from fx_precision.compare import compare, gate
     from fx_precision.tools.compare_sides import describe, rollout_dump, train_dump
 
     if args.dumps and len(args.dumps) != 2:
@@ -363,19 +395,41 @@ def cmd_compare(args: argparse.Namespace) -> int:
             f"compare takes two dump directories (A B), or none with --model for the built-in sides; got {len(args.dumps)}"
         )
     if args.dumps:
+        ignored = _given(args, args.defaults, BUILT_IN_SIDE_OPTIONS)
+        if ignored:
+            raise PrecisionError(
+                f"{', '.join(ignored)} describe the built-in sides; with two dump directories they would be ignored. Drop them, "
+                "or drop the directories"
+            )
         a: Any = args.dumps[0]
         b: Any = args.dumps[1]
         head = f"a: {a}\nb: {b}"
     else:
         side = _side_config(args)
         a, b = train_dump(side), rollout_dump(args.rollout, side)
-        head = f"{args.model}; both sides: the same token ids, fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}"
-    result = compare(a, b, fqn_map=args.map)
+        head = f"{args.model}; fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}"
+    result = compare(a, b, fqn_map=args.map, nan_equal=args.nan_equal)
+    lp = result.logprob
+    if lp is not None and lp.get("comparable"):
+        head += f"\ntoken ids: the same on both sides ({len(lp['sequences'])} sequence(s), checked)"
     _emit(args, {"a": describe(a), "b": describe(b), **result.to_dict()}, lambda: f"{head}\n\n{result.render()}")
-    if args.fail_above is not None and result.logprob is not None and result.logprob["max"] > args.fail_above:
-        print(f"log-prob |delta| max {result.logprob['max']:.3g} > --fail-above {args.fail_above}", file=sys.stderr)
-        return 1
+    if args.fail_above is not None:
+        failure = gate(lp, args.fail_above)
+        if failure is not None:
+            print(f"fx-precision compare: --fail-above {args.fail_above:g}: {failure}", file=sys.stderr)
+            return 1
     return 0
+
+
+def finite_nonnegative(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"takes a finite number >= 0, got {text!r}")
+    return value
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -394,11 +448,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser("census", help="eager module-IO dtype inventory of one forward under FSDP2 on N gloo ranks")
     _add_model_args(p)
     _add_policy_args(p)
-    p.add_argument(
-        "--world-size", type=bounded_int("--world-size", 1, _max_ranks, RANKS_WHY), default=1, help="gloo ranks to spawn (rank 0 prints)"
-    )
+    _add_rank_args(p, min_ranks=1, default=1, what="gloo ranks to spawn (default 1; rank 0 prints)")
     _add_batch_args(p)
-    p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (sets --world-size to R*S)")
     p.add_argument(
         "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank runs: cpu (gloo) or its own GPU (NCCL; under torchrun)"
     )
@@ -464,15 +515,10 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     _add_batch_args(p)
     _add_eager_fix_arg(p)
-    p.add_argument("--out", required=True, metavar="DIR", help="dump directory (created)")
+    p.add_argument("--out", required=True, metavar="DIR", help="dump directory (created; written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dump already at --out, whole")
     p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
-    p.add_argument("--mesh", metavar="RxS", help="HSDP: a 2-D mesh of R replicas x S shards (sets --world-size to R*S)")
-    p.add_argument(
-        "--world-size",
-        type=bounded_int("--world-size", 0, _max_ranks, RANKS_WHY),
-        default=0,
-        help="0: one process, no FSDP2; N: N gloo ranks",
-    )
+    _add_rank_args(p, min_ranks=0, default=0, what="0 (default): one process, no FSDP2; N: FSDP2 on N gloo ranks")
     p.set_defaults(handler=cmd_dump)
 
     p = sub.add_parser(
@@ -489,15 +535,20 @@ def build_parser() -> argparse.ArgumentParser:
     _add_batch_args(p)
     p.set_defaults(batch=2, seq_len=32)
     p.add_argument("--rollout", default="bf16", help="'bf16' (the stand-in) or a dump directory (default bf16)")
-    p.add_argument(
-        "--world-size",
-        type=bounded_int("--world-size", 0, _max_ranks, RANKS_WHY),
-        default=0,
-        help="train side: 0 one process, N: N gloo ranks",
-    )
+    _add_rank_args(p, min_ranks=0, default=0, what="train side: 0 (default) one process, N: FSDP2 on N gloo ranks")
     p.add_argument("--compiled", action="store_true", help="train side compiled with precision_backend (records the logits only)")
     p.add_argument("--map", default="", help="FQN renames, side a=side b, globs: 'self_attn=attn; model.layers.*=layers.*'")
-    p.add_argument("--fail-above", type=float, default=None, metavar="X", help="exit 1 when the max log-prob |delta| exceeds X")
+    p.set_defaults(defaults={action.dest: action.default for action in p._actions})  # to tell what the user gave
+    p.add_argument(
+        "--fail-above",
+        type=finite_nonnegative,
+        default=None,
+        metavar="X",
+        help="exit 1 when the max log-prob |delta| exceeds X, or when no log-prob comparison could be made (fails closed)",
+    )
+    p.add_argument(
+        "--nan-equal", action="store_true", help="NaN at exactly the same places on both sides counts as equal there (default: non-finite)"
+    )
     p.set_defaults(handler=cmd_compare)
 
     p = sub.add_parser(
@@ -513,12 +564,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    _ARGV[:] = list(argv or [])
+    Parser.argv = tuple(argv) if argv is not None else tuple(sys.argv[1:])
     # transformers' "falling back to the reference implementation" notes are noise on CPU;
     # the variable also reaches the gloo ranks this process spawns
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args = parser.parse_args(list(Parser.argv))
     from fx_precision.tools.distributed import launcher_rank
 
     if launcher_rank() != 0:  # under torchrun: rank 0 speaks for all

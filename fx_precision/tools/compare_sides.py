@@ -14,16 +14,20 @@ gloo ranks or compiled records what it can (module calls on ranks; only the logi
 from __future__ import annotations
 
 import os
+import shutil
+import uuid
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-from fx_precision.dump import Dump, DumpRecorder, Record
+from fx_precision.dump import Dump, DumpRecorder, Record, replace_dump
 from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
 from fx_precision.tools.census_driver import CensusConfig
+from fx_precision.tools.distributed import launched, launcher_rank
 from fx_precision.tools.zoo import build_model, forward_kwargs, logits_of, token_batch
 
 
@@ -47,6 +51,17 @@ def shared_model(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
+def run_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)``; a failure of the model's own code is one PrecisionError line."""
+    try:
+        return model(*args, **kwargs)
+    except PrecisionError:
+        raise
+    except Exception as exc:  # the user's model: its failure, said in one line
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PrecisionError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:400]}") from exc
+
+
 def _ids(model: nn.Module, cfg: CensusConfig) -> torch.Tensor:
     return token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
 
@@ -62,7 +77,7 @@ def train_dump(side: SideConfig) -> Dump:
 
 
 def _train_in_process(side: SideConfig) -> Dump:
-    from fx_precision.tools.bench import gathered_eagerly
+    from fx_precision.fsdp import gathered_eagerly
 
     cfg = side.policy
     model = shared_model(cfg.model, cfg.seed)
@@ -76,11 +91,11 @@ def _train_in_process(side: SideConfig) -> Dump:
 
         compiled = torch.compile(model, backend=make_precision_backend(policy=policy, plan=plan))
         with torch.no_grad(), policy.forward_context("cpu"):
-            logits = logits_of(compiled(ids, **kwargs))
+            logits = logits_of(run_forward(compiled, ids, **kwargs))
         return _root_only(model, ids, logits, policy.compute)
     with torch.no_grad(), gathered_eagerly(model, plan), policy.forward_context("cpu"):
         with DumpRecorder(model, inputs=side.inputs, replay=True) as recorder:
-            model(ids, **kwargs)
+            run_forward(model, ids, **kwargs)
     recorder.dump.source = f"train ({policy.describe()}{', eager fix: ' + str(len(fix.hooks)) + ' hook(s)' if fix else ''})"
     return recorder.dump
 
@@ -96,7 +111,7 @@ def _root_only(model: nn.Module, ids: torch.Tensor, logits: torch.Tensor, comput
     return dump
 
 
-def _train_on_rank(rank: int, world_size: int, side: SideConfig, out: str | None) -> Dump:
+def _train_on_rank(rank: int, world_size: int, side: SideConfig, target: tuple[str, str] | None) -> Dump:
     """Inside a gloo rank: FSDP2 under the policy, every rank on the same token ids, recorded."""
     from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
     from fx_precision.tools.distributed import cpu_mesh
@@ -109,20 +124,42 @@ def _train_on_rank(rank: int, world_size: int, side: SideConfig, out: str | None
     mesh = cpu_mesh(world_size, cfg.mesh)
     ids = _ids(model, cfg)
     fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
-    apply_fsdp2(model, plan, mesh=mesh, reduce_dtype=policy.reduce, cast_forward_inputs=bool(policy.cast_forward_inputs))
+    apply_fsdp2(model, plan, mesh=mesh, policy=policy)
     if fix is not None:
         fix.apply(model)
-    with torch.no_grad(), policy.forward_context("cpu"), DumpRecorder(model, out, inputs=side.inputs) as recorder:
-        model(ids, **forward_kwargs(model))
+    with torch.no_grad(), policy.forward_context("cpu"), DumpRecorder(model, inputs=side.inputs) as recorder:
+        run_forward(model, ids, **forward_kwargs(model))
     recorder.dump.source = f"train rank {rank}/{world_size} ({policy.describe()})"
+    if target is not None:  # every rank writes its directory of the staging dump; one rename puts it in place
+        staging, final = target
+        recorder.dump.save(staging)
+        if launched():  # no parent process to rename it: rank 0 does, once every rank has written
+            torch.distributed.barrier()
+            if rank == 0:
+                replace_dump(Path(staging), Path(final))
     return recorder.dump
 
 
-def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str]) -> list[Dump]:
-    """``fx-precision dump --world-size N``: each rank writes ``out/rank{r}`` (one rank: ``out`` itself)."""
+def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:
+    """``fx-precision dump --world-size N``: each rank writes ``out/rank{r}`` (one rank: ``out`` itself).
+
+    The ranks write a staging directory beside ``out``, renamed into place once all are done: an
+    interrupted run leaves the old dump or nothing, and an overwrite replaces every rank's directory."""
+    from fx_precision.dump import check_out_path
     from fx_precision.tools.distributed import run_on_ranks
 
-    return run_on_ranks(_train_on_rank, max(side.world_size, 1), side, str(out))
+    check_out_path(out, overwrite=overwrite)
+    final = Path(out)
+    token = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging = final.parent / f".{final.name}.writing-{token}"
+    try:
+        dumps = run_on_ranks(_train_on_rank, max(side.world_size, 1), side, (str(staging), str(final)))
+        if not launched():
+            replace_dump(staging, final)
+    finally:
+        if not launched() or launcher_rank() == 0:
+            shutil.rmtree(staging, ignore_errors=True)
+    return dumps
 
 
 def rollout_dump(rollout: str, train: SideConfig) -> Dump | str:
@@ -139,7 +176,7 @@ def rollout_dump(rollout: str, train: SideConfig) -> Dump | str:
                 p.data = p.data.to(torch.bfloat16)
     ids = _ids(model, cfg)
     with torch.no_grad(), DumpRecorder(model, inputs=True, replay=True) as recorder:
-        model(ids, **forward_kwargs(model))
+        run_forward(model, ids, **forward_kwargs(model))
     recorder.dump.source = "rollout stand-in: bf16 weights, eager, no autocast"
     return recorder.dump
 

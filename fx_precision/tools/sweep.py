@@ -251,7 +251,7 @@ def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
                 plan = policy.plan(model, wrap=layer_wrap_globs(model))
                 ids = torch.randint(0, model.config.vocab_size, (spec.batch, 8), generator=torch.Generator().manual_seed(1))
                 fix = eager_casts(model, input_ids=ids, policy=policy, plan=plan) if fixed else None
-                apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), cast_forward_inputs=bool(policy.cast_forward_inputs))
+                apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
                 with fix.apply(model) if fix is not None else contextlib.nullcontext(), policy.forward_context("cpu"):
                     result = census(model, input_ids=ids)
                 floats = result.float_totals()
