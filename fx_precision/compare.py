@@ -450,6 +450,8 @@ def _run_alone(dump: Dump, key: tuple[str, int]) -> list[tuple[str, list[torch.T
 
 def _drill_down(origin: CallDiff, da: Dump, db: Dump) -> OpDiff | None:
     key = (origin.fqn, origin.call)
+    if key in da.replays and key not in db.replays and db.engine:
+        return _drill_down_on_engine_inputs(origin, da, db)
     if key not in da.replays or key not in db.replays:
         return None
     ops_a, ops_b = _run_alone(da, key), _run_alone(db, key)
@@ -471,6 +473,59 @@ def _drill_down(origin: CallDiff, da: Dump, db: Dump) -> OpDiff | None:
                 dtypes = dtype_name(x.dtype), dtype_name(y.dtype)
                 return OpDiff(module_label(origin.fqn), block.a + k, name_a, name_b, *dtypes, rel, explanation)
     return _one_sided_cast(origin, ops_a, ops_b)
+
+
+def _with_inputs_of(dump: Dump, key: tuple[str, int], args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any], int]:
+    """``args`` / ``kwargs`` with each tensor the other dump recorded for this call put in its place."""
+    recorded = {r.path: r.tensor for r in dump.records if (r.fqn, r.call) == key and r.io == "in" and r.tensor is not None}
+    used = 0
+
+    def swap(path: str, value: Any) -> Any:
+        nonlocal used
+        if isinstance(value, torch.Tensor) and path in recorded and recorded[path].shape == value.shape:
+            used += 1
+            return recorded[path].to(value.dtype) if value.is_floating_point() else recorded[path]
+        return value
+
+    new_args = tuple(swap(f"args[{i}]", a) for i, a in enumerate(args))
+    new_kwargs = {k: swap(f"kwargs.{k}", v) for k, v in kwargs.items()}
+    return new_args, new_kwargs, used
+
+
+def _drill_down_on_engine_inputs(origin: CallDiff, da: Dump, db: Dump) -> OpDiff | None:
+    """Side b is an engine (no module to run again): run side a's origin alone on the inputs the engine
+    recorded for it. When the output it makes still differs from the engine's, the module's own
+    arithmetic parts from the engine's; named is the op that made that output."""
+    key = (origin.fqn, origin.call)
+    module, args, kwargs = da.replays[key]
+    args, kwargs, used = _with_inputs_of(db, key, args, kwargs)
+    want = next((r.tensor for r in db.records if (r.fqn, r.call) == key and r.io == "out" and r.tensor is not None), None)
+    if not used or want is None:
+        return None
+    ctx = torch.autocast(da.device_type, dtype=parse_dtype(da.autocast)) if da.autocast else contextlib.nullcontext()
+    recorder = _OpRecorder()
+    with torch.no_grad(), ctx, recorder:
+        module(*args, **kwargs)
+    target = want.reshape(-1)
+    for index in range(len(recorder.ops) - 1, -1, -1):  # the op that made the output: the last of its size
+        name, outs = recorder.ops[index]
+        made = next((x for x in outs if x.numel() == target.numel()), None)
+        if made is None or _IGNORED.match(name):
+            continue
+        if torch.equal(made.reshape(-1).double(), target.double()):
+            return None  # on the engine's inputs the module computes the engine's output: the inputs were the difference
+        return OpDiff(
+            module_label(origin.fqn),
+            index,
+            name,
+            f"{db.engine.get('name', 'engine')} (recorded output)",
+            dtype_name(made.dtype),
+            dtype_name(want.dtype),
+            _rel(made.double().reshape(-1), target.double()),
+            f"run alone on the engine's inputs of this call, the module's output (made by `{name.removeprefix('aten.')}`) still "
+            "differs from the engine's: the module's own arithmetic parts from the engine's, not its inputs",
+        )
+    return None
 
 
 def _one_sided_cast(origin: CallDiff, ops_a: list[Any], ops_b: list[Any]) -> OpDiff | None:

@@ -1,4 +1,5 @@
-"""Test-wide switches: which tests need ``transformers`` (the dev extra), and running without it.
+"""Test-wide switches: which tests need ``transformers`` (the dev extra), and running without it;
+``tests/engine`` is collected only where vLLM is installed (the engine environment).
 
 ``@pytest.mark.needs_transformers`` marks a test that builds a transformers architecture; it is
 skipped, with the reason, where transformers is not installed. ``--without-transformers`` hides
@@ -14,6 +15,9 @@ import sys
 import pytest
 
 _COUNTS: dict[str, int] = {}
+ENGINE = importlib.util.find_spec("vllm") is not None
+# tests/engine needs a live vLLM: collected in the engine environment only (python -m fx_precision.tools.engine_env)
+collect_ignore = [] if ENGINE else ["engine"]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -57,3 +61,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     terminalreporter.write_line(
         f"fx_precision: {total} tests collected; {total - needing} run without transformers, {needing} need it ({state})"
     )
+    if not ENGINE:
+        terminalreporter.write_line(
+            "fx_precision: tests/engine not collected: vLLM is not installed here; they run in the engine environment "
+            "(python -m fx_precision.tools.engine_env .venv-engine && .venv-engine/bin/python -m pytest tests/engine -q)"
+        )

@@ -186,3 +186,48 @@ def per_block_eager_fix(rank: int, world_size: int, arch_name: str, eager_fix: b
         "grad_dtypes": sorted({str(p.grad.dtype) for p in model.parameters() if p.grad is not None}),
         "hooks": len(fix.hooks) if fix is not None else 0,
     }
+
+
+def contract_training(rank: int, world_size: int, arch_name: str, contract: dict[str, Any] | None, steps: int) -> dict[str, Any] | None:
+    """An arch-zoo model under FSDP2 (per-layer units, gather and compute bf16), compiled whole with
+    precision_backend (aot_eager) with the engine contract's rewrites or without; ``steps`` SGD steps on
+    one fixed batch split over the ranks. Reports losses, dtypes, the first step's gradients, the rewrites."""
+    from fx_precision.backend import make_precision_backend
+    from fx_precision.contract import EngineContract
+    from fx_precision.policy import PrecisionPolicy
+    from fx_precision.tools.arch_zoo import arch
+
+    torch.set_num_threads(1)
+    model = arch(arch_name).build(seed=0).train()
+    kept = EngineContract.from_dict(contract) if contract is not None else None
+    policy = PrecisionPolicy(gather=torch.bfloat16, compute=torch.bfloat16, cast_forward_inputs=False, contract=kept)
+    plan = policy.plan(model, wrap=layer_wrap_globs(model))
+    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
+    backend = make_precision_backend(policy=policy, plan=plan, inner="aot_eager")
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    ids = token_batch(model, batch=BATCH, seq_len=SEQ, seed=1)
+    per_rank = BATCH // world_size
+    local = ids[rank * per_rank : (rank + 1) * per_rank]
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    losses, first_grads = [], None
+    for _ in range(steps):
+        with policy.forward_context("cpu"):
+            logits = logits_of(compiled(input_ids=local, use_cache=False))
+        loss = F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), local[:, 1:].flatten())
+        loss.backward()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(float(total) / world_size)
+        if first_grads is None:
+            first_grads = {n: _full(p.grad).clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    if rank != 0:
+        return None
+    return {
+        "losses": losses,
+        "master_dtypes": {n: p.dtype for n, p in model.named_parameters()},
+        "grad_dtypes": {n: p.grad.dtype for n, p in model.named_parameters()},
+        "grads": first_grads,
+        "rewrites": {name: sum(r.rewrites.get(name, 0) for r in backend.reports) for name in backend.reports[0].rewrites},
+    }

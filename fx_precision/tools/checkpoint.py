@@ -189,9 +189,31 @@ ENGINE_DIMS: dict[str, Any] = dict(  # tiny, and every head dim one the engine's
 )
 
 
-def write_tiny_checkpoint(arch_name: str, out: str | os.PathLike[str], *, seed: int = 0, overwrite: bool = False) -> Path:
-    """A seeded random checkpoint of an arch-zoo architecture at engine-compatible sizes: bf16 safetensors
-    and config.json (``"torch_dtype": "bfloat16"``), as a published checkpoint is stored."""
+def weights_fingerprint(path: str | os.PathLike[str], sample: int = 1 << 20) -> str:
+    """A short digest that tells two checkpoints' weights apart without reading all of them: each
+    safetensors file's name, size, header (tensor names, dtypes, shapes, offsets) and its first and
+    last ``sample`` bytes. The engine dump records it; the training side checks its checkpoint against it."""
+    import hashlib
+
+    digest = hashlib.sha256()
+    files = sorted(config_file(path).parent.glob("*.safetensors"))
+    for file in files:
+        size = file.stat().st_size
+        digest.update(f"{file.name}:{size}".encode())
+        with file.open("rb") as handle:
+            digest.update(handle.read(min(size, sample)))
+            if size > 2 * sample:
+                handle.seek(size - sample)
+                digest.update(handle.read(sample))
+    return digest.hexdigest()[:16] if files else "no-safetensors"
+
+
+def write_tiny_checkpoint(
+    arch_name: str, out: str | os.PathLike[str], *, seed: int = 0, overwrite: bool = False, dims: dict[str, Any] | None = None
+) -> Path:
+    """A seeded random checkpoint of an arch-zoo architecture at engine-compatible sizes (``dims`` over
+    ENGINE_DIMS): bf16 safetensors and config.json (``"torch_dtype": "bfloat16"``), as a published
+    checkpoint is stored."""
     from fx_precision.tools.arch_zoo import arch
 
     spec = arch(arch_name)
@@ -199,7 +221,7 @@ def write_tiny_checkpoint(arch_name: str, out: str | os.PathLike[str], *, seed: 
     if target.is_file() or (target.is_dir() and any(target.iterdir())):
         if not (overwrite and (target / "config.json").is_file()):
             raise PrecisionError(f"--out {target}: exists and is not empty; pass --overwrite to replace a checkpoint, or pick another path")
-    model = spec.build(seed=seed, dims=ENGINE_DIMS).to(torch.bfloat16)
+    model = spec.build(seed=seed, dims={**ENGINE_DIMS, **(dims or {})}).to(torch.bfloat16)
     staging = target.parent / f".{target.name}.writing-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -12,6 +12,8 @@ fx-precision bench     kernel/bytes/time benchmark against default Inductor and 
 fx-precision sweep     compatibility matrix over tiny transformers architectures
 fx-precision dump      every module call's outputs of one forward, to a directory (N ranks: one per rank)
 fx-precision compare   where two forwards part: first origin module and op, log-prob |delta|, K3 KL
+fx-precision checkpoint  a seeded random checkpoint of an arch-zoo architecture, bf16, for both sides
+fx-precision rollout   a real engine (vLLM) on token ids: log-probs, sampled tokens, modules, its contract
 """
 
 from __future__ import annotations
@@ -379,7 +381,7 @@ def cmd_dump(args: argparse.Namespace) -> int:
 
 
 BUILT_IN_SIDE_OPTIONS = ("model", "rules", "wrap", "gather", "compute", "master", "cast_forward_inputs", "arch_rules", "batch", "seq_len",
-                         "rollout", "world_size", "mesh", "compiled", "eager_fix")  # fmt: skip
+                         "rollout", "world_size", "mesh", "compiled", "eager_fix", "contract", "inner")  # fmt: skip
 
 
 def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Sequence[str]) -> list[str]:
@@ -404,7 +406,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
         a: Any = args.dumps[0]
         b: Any = args.dumps[1]
         head = f"a: {a}\nb: {b}"
+    elif _is_engine_dump(args.rollout):
+        a, b, head = _engine_sides(args)
     else:
+        if args.contract:
+            raise PrecisionError("--contract follows an engine: give --rollout an engine dump (fx-precision rollout writes one)")
         side = _side_config(args)
         a, b = train_dump(side), rollout_dump(args.rollout, side)
         head = f"{args.model}; fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}"
@@ -412,13 +418,64 @@ def cmd_compare(args: argparse.Namespace) -> int:
     lp = result.logprob
     if lp is not None and lp.get("comparable"):
         head += f"\ntoken ids: the same on both sides ({len(lp['sequences'])} sequence(s), checked)"
-    _emit(args, {"a": describe(a), "b": describe(b), **result.to_dict()}, lambda: f"{head}\n\n{result.render()}")
+    data = {"a": describe(a), "b": describe(b), **result.to_dict()}
+    if args.contract:
+        data["contract"] = getattr(b, "contract", None)
+    _emit(args, data, lambda: f"{head}\n\n{result.render()}")
     if args.fail_above is not None:
         failure = gate(lp, args.fail_above)
         if failure is not None:
             print(f"fx-precision compare: --fail-above {args.fail_above:g}: {failure}", file=sys.stderr)
             return 1
     return 0
+
+
+def _is_engine_dump(path: str) -> bool:
+    manifest = os.path.join(path, "manifest.json")
+    if path == "bf16" or not os.path.isfile(manifest):
+        return False
+    try:
+        with open(manifest) as f:
+            return bool(json.load(f).get("engine"))
+    except (OSError, json.JSONDecodeError):
+        return False
+
+
+def _engine_sides(args: argparse.Namespace) -> tuple[Any, Any, str]:
+    """The training side run on an engine dump's token ids, from the checkpoint the engine ran."""
+    from fx_precision.dump import load_dump
+    from fx_precision.tools.train_side import TrainConfig, train_against
+    from fx_precision.tools.zoo import is_checkpoint_path
+
+    if not is_checkpoint_path(args.model):
+        raise PrecisionError(
+            f"--rollout {args.rollout} is an engine dump: --model must be the checkpoint directory the engine ran, got {args.model!r}"
+        )
+    engine = load_dump(args.rollout)
+    if isinstance(engine, dict):
+        raise PrecisionError(f"--rollout {args.rollout}: one dump per rank; an engine dump of this version is one directory")
+    cfg = TrainConfig(
+        args.model,
+        _census_config(args),
+        contract=args.contract is not None,
+        world_size=_world_size(args),
+        compiled=args.compiled,
+        inner=args.inner,
+    )
+    train = train_against(engine, cfg)
+    head = f"a: {train.source}\nb: {engine.source} ({engine.engine.get('kernels') if engine.engine else ''})"
+    if args.contract:
+        from fx_precision.contract import contract_of_dump
+
+        contract = contract_of_dump(engine)
+        head += f"\ncontract: {contract.describe()}"
+        unmatched = [k for k, ok in contract.evidence.get("matched", {}).items() if not ok]
+        if unmatched:
+            head += (
+                f"\nthe engine's {', '.join(unmatched)} matched no candidate the contract knows (evidence in the dump's contract): "
+                "expect those ops to differ"
+            )
+    return train, engine, head
 
 
 def finite_nonnegative(text: str) -> float:
@@ -430,6 +487,77 @@ def finite_nonnegative(text: str) -> float:
     if not math.isfinite(value) or value < 0:
         raise argparse.ArgumentTypeError(f"takes a finite number >= 0, got {text!r}")
     return value
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from fx_precision.tools.checkpoint import write_tiny_checkpoint
+
+    out = write_tiny_checkpoint(args.model, args.out, seed=args.seed, overwrite=args.overwrite)
+    data = {"out": str(out), "arch": args.model, "seed": args.seed, "files": sorted(p.name for p in out.iterdir())}
+    _emit(args, data, lambda: f"wrote {out}: a seeded random {args.model} checkpoint, bf16 safetensors ({', '.join(data['files'])})")
+    return 0
+
+
+def _prompt_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of prompt lengths, e.g. 7,40,150,301; got {text!r}") from None
+    if not lengths or any(n < 1 for n in lengths):
+        raise argparse.ArgumentTypeError(f"every prompt length must be at least 1, got {text!r}")
+    return lengths
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from fx_precision.dump import check_out_path
+    from fx_precision.tools.checkpoint import read_checkpoint_config
+    from fx_precision.tools.rollout import RolloutConfig, check_prompts, engine_max_len, read_prompts, run_rollout, synthetic_prompts
+
+    check_out_path(args.out, overwrite=args.overwrite)  # before the engine starts
+    cc = read_checkpoint_config(args.model)
+    prompts = read_prompts(args.prompts) if args.prompts else synthetic_prompts(int(cc.config.vocab_size), args.prompt_lens, args.seed)
+    check_prompts(prompts, int(cc.config.vocab_size), engine_max_len(cc.config), args.max_tokens, args.model)
+    cfg = RolloutConfig(
+        model=args.model,
+        prompts=prompts,
+        max_tokens=args.max_tokens,
+        seed=args.seed,
+        modules=args.modules,
+        threads=args.threads,
+        custom_ops=args.custom_ops,
+        isa=args.isa,
+    )
+    dump = run_rollout(cfg)
+    dump.save(args.out, overwrite=args.overwrite)
+    from fx_precision.contract import EngineContract
+
+    contract = EngineContract.from_dict(dump.contract or {})
+    engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls")}
+    sequences = [{"prompt_len": s.prompt_len, "tokens": len(s.tokens)} for s in dump.sequences]
+    data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences}
+    matched = contract.evidence.get("matched", {})
+    _emit(
+        args,
+        data,
+        lambda: (
+            f"wrote {args.out}: {len(dump.sequences)} sequence(s) from {dump.source}\ncontract: {contract.describe()}\n"
+            f"probes matched: {', '.join(f'{k} {v}' for k, v in matched.items())}"
+        ),
+    )
+    return 0
+
+
+def _precision_error_in(exc: BaseException) -> PrecisionError | None:
+    """The PrecisionError an exception carries (itself, or one in its cause / context chain)."""
+    seen: set[int] = set()
+    current: BaseException | None = exc
+    while current is not None and id(current) not in seen:
+        if isinstance(current, PrecisionError):
+            return current
+        seen.add(id(current))
+        inner = getattr(current, "inner_exception", None)
+        current = inner if isinstance(inner, BaseException) else (current.__cause__ or current.__context__)
+    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -537,6 +665,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--rollout", default="bf16", help="'bf16' (the stand-in) or a dump directory (default bf16)")
     _add_rank_args(p, min_ranks=0, default=0, what="train side: 0 (default) one process, N: FSDP2 on N gloo ranks")
     p.add_argument("--compiled", action="store_true", help="train side compiled with precision_backend (records the logits only)")
+    p.add_argument(
+        "--inner",
+        default="inductor",
+        choices=["inductor", "aot_eager"],
+        help="the backend's inner compiler with --compiled (default inductor)",
+    )
+    p.add_argument(
+        "--contract",
+        choices=["vllm"],
+        default=None,
+        help="train side follows the engine contract the --rollout dump recorded (gather and compute bf16, the graph rewritten "
+        "to the engine's arithmetic; eager means the pass with aot_eager)",
+    )
     p.add_argument("--map", default="", help="FQN renames, side a=side b, globs: 'self_attn=attn; model.layers.*=layers.*'")
     p.set_defaults(defaults={action.dest: action.default for action in p._actions})  # to tell what the user gave
     p.add_argument(
@@ -550,6 +691,45 @@ def build_parser() -> argparse.ArgumentParser:
         "--nan-equal", action="store_true", help="NaN at exactly the same places on both sides counts as equal there (default: non-finite)"
     )
     p.set_defaults(handler=cmd_compare)
+
+    p = sub.add_parser(
+        "checkpoint",
+        help="write a seeded random checkpoint of an arch-zoo architecture (bf16 safetensors + config) for both sides",
+        description="A tiny checkpoint (hidden 128, 3 layers, head_dim 32: sizes the engine's CPU attention runs) stored as "
+        "published checkpoints are: bf16 safetensors and a config.json naming its dtype.",
+    )
+    p.add_argument(
+        "--model", required=True, metavar="ARCH", help="an architecture of fx-precision sweep (qwen3, llama, qwen2, mistral, ...)"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (written whole)")
+    p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=0)
+    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at --out")
+    _add_json_arg(p)
+    p.set_defaults(handler=cmd_checkpoint)
+
+    p = sub.add_parser(
+        "rollout",
+        help="run a real inference engine (vLLM, in this process) on token ids and write its dump: log-probs, tokens, contract",
+        description="Run where vLLM is installed (python -m fx_precision.tools.engine_env DIR builds that environment). Samples "
+        "--max-tokens per prompt with the log-prob of every prompt and generated token, probes the engine's arithmetic (the "
+        "contract), and with --modules records every module's inputs and outputs under transformers names.",
+    )
+    p.add_argument("--engine", choices=["vllm"], default="vllm")
+    p.add_argument("--model", required=True, metavar="CKPT", help="a checkpoint directory (fx-precision checkpoint writes one)")
+    p.add_argument("--prompts", metavar="FILE", help="a JSON list of token-id lists (default: synthetic prompts of --prompt-lens)")
+    p.add_argument("--prompt-lens", type=_prompt_lengths, default=[7, 40, 150, 301], help="synthetic prompt lengths (default 7,40,150,301)")
+    p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=1, help="seed of the synthetic prompts and of sampling")
+    p.add_argument("--max-tokens", type=bounded_int("--max-tokens", 1, 4096), default=8, help="tokens sampled per prompt (default 8)")
+    p.add_argument("--modules", action="store_true", help="also record every module's inputs and outputs (one prefill per sequence)")
+    p.add_argument("--threads", type=bounded_int("--threads", 1, 256), default=1, help="the engine's OpenMP threads (default 1)")
+    p.add_argument("--custom-ops", choices=["default", "none"], default="default", help="vLLM's custom ops (none: native torch forms)")
+    p.add_argument(
+        "--isa", choices=["auto", "avx2", "avx512"], default="auto", help="force a kernel build of the engine (auto: its own pick)"
+    )
+    p.add_argument("--out", required=True, metavar="DIR", help="dump directory (written atomically)")
+    p.add_argument("--overwrite", action="store_true", help="replace a dump already at --out, whole")
+    _add_json_arg(p)
+    p.set_defaults(handler=cmd_rollout)
 
     p = sub.add_parser(
         "demo",
@@ -576,7 +756,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         sys.stdout = open(os.devnull, "w")
     handler: Handler = args.handler
     try:
-        return handler(args)
+        try:
+            return handler(args)
+        except Exception as exc:  # Dynamo wraps a backend's error (BackendCompilerFailed), a rank's comes wrapped too
+            inner = _precision_error_in(exc)
+            if inner is None or inner is exc:
+                raise
+            raise inner from None
     except PrecisionError as exc:
         if getattr(args, "json", False):
             print(json.dumps({"error": str(exc)}))

@@ -1,0 +1,536 @@
+"""The ops an engine contract puts into a training graph: opaque to Inductor, differentiable, meta-aware.
+
+    fxp_engine::attention(q, k, v, key_lens, scale, causal, window, q_offset, variant...) -> out
+        forward   engine_attention.cpp (built at first use): the engine kernel's arithmetic, scalar
+        backward  plain fp32 attention math (softmax recomputed), gradients in the inputs' dtype
+    fxp_engine::rotary(x, cos, sin, rounding) -> out
+        forward   x1*c - x2*s | x2*c + x1*s in fp32 from bf16 operands, one store (the engine's rounding)
+        backward  the exact rotation's transpose: rounding passes gradients straight through
+    fxp_engine::linear(x, weight, bias, kind) -> out
+        forward   torch's bf16 linear (the engine's batched kernel), and the engine's small-batch kernel
+                  on the rows ``engine_rows`` flags (the engine computed them in a step of <= 4 rows)
+        backward  the linear's gradients in bf16, as autocast's linear has them
+    fxp_engine::residual_add(a, b) -> a + b           a graph's residual sum that leaves the graph: bf16
+                                                      out, its fp32 sum kept (thread-local, a few)
+    fxp_engine::unrounded_residual(x) -> fp32         the next graph's norm input: the kept fp32 sum
+                                                      when x is its rounding (checked), else x.float()
+        backward  straight through, as an add's and a cast's
+    fxp_engine::eager_math(x, op, dims, keepdim, exponent) -> out
+        forward   torch's eager kernel for a reduction (mean, sum) or a transcendental (exp, cos, sin,
+                  silu, ...): the engine runs these eagerly, Inductor would sum and approximate otherwise
+        backward  fxp_engine::eager_math_backward: torch's autograd of the same op
+
+All are ``torch.library`` custom ops with fake kernels, so Dynamo traces them, AOTAutograd
+differentiates them, and Inductor calls them as extern kernels: it cannot fuse their fp32 math into
+another order or drop their round trips.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fx_precision.contract import AttentionArithmetic
+from fx_precision.errors import PrecisionError
+
+_SOURCE = Path(__file__).with_name("engine_attention.cpp")
+_BUILD_LOCK = threading.Lock()
+ROUNDING_CODE = {"nearest-even": 0, "truncate": 1}
+
+
+@functools.lru_cache(maxsize=1)
+def _extension() -> Any:
+    """Compile ``engine_attention.cpp`` once per environment (torch's extension cache keeps it)."""
+    from torch.utils import cpp_extension
+
+    with _BUILD_LOCK:
+        try:
+            return cpp_extension.load(
+                name="fxp_engine_attention_v6",
+                sources=[str(_SOURCE)],
+                extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only"],
+                verbose=os.environ.get("FX_PRECISION_BUILD_VERBOSE", "") not in ("", "0"),
+            )
+        except (RuntimeError, OSError, ImportError) as exc:
+            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
+            raise PrecisionError(
+                f"building the engine-attention kernel failed ({first[:300]}); the engine contract needs a C++ compiler "
+                "(g++) and the Python headers on this machine"
+            ) from None
+
+
+def variant_codes(arith: AttentionArithmetic) -> list[int]:
+    """The kernel's integer switches for one arithmetic (see engine_attention.cpp)."""
+    return [
+        0 if arith.scores == "amx" else 1,
+        0 if arith.exp == "libm" else 1,
+        0 if arith.reduce == "avx512" else 1,
+        int(arith.p_bf16),
+        int(arith.fma),
+        ROUNDING_CODE[arith.store],
+        int(arith.scores == "amx"),  # AMX flushes denormals
+    ]
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+
+def allowed_mask(mask: torch.Tensor | None) -> torch.Tensor | None:
+    """A mask as ``[B, 1|H, T, S]`` booleans (True: attend). An additive mask may hold only 0 (attend)
+    and very negative values (masked): biases (ALiBi) are not an engine-attention mask."""
+    if mask is None:
+        return None
+    if mask.dtype == torch.bool:
+        return mask
+    blocked = mask <= torch.finfo(mask.dtype).min / 2
+    if not bool(((mask == 0) | blocked).all()):
+        raise PrecisionError(
+            "engine attention: the additive mask carries biases (values other than 0 and -inf); the engine contract covers "
+            "causal, sliding-window and padding masks only"
+        )
+    return ~blocked
+
+
+@torch.library.custom_op("fxp_engine::attention", mutates_args=())
+def engine_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    key_lens: torch.Tensor,
+    mask: torch.Tensor | None,
+    scale: float,
+    causal: bool,
+    window: int,
+    q_offset: int,
+    variant: list[int],
+) -> torch.Tensor:
+    """q [B, T, H, D], k / v [B, S, KVH, D] (bf16), key_lens [B], mask [B, 1|H, T, S] or None:
+    attention as the engine computes it."""
+    out_dtype = q.dtype
+    q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
+    if variant[0] == 0:
+        _require_amx()
+    allowed = allowed_mask(mask)
+    if allowed is not None:
+        allowed = allowed.expand(q.shape[0], allowed.shape[1], q.shape[1], k.shape[1])
+    empty = torch.empty(0, dtype=torch.bool)
+    out = _extension().forward(
+        q16, k16, v16, key_lens.cpu(), allowed if allowed is not None else empty, scale, causal, window, q_offset, *variant
+    )
+    return out.to(out_dtype)
+
+
+@functools.lru_cache(maxsize=1)
+def _require_amx() -> None:
+    """The amx arithmetic runs the engine's AMX instruction: this CPU must have it, and the process
+    permission to use its tiles (Linux asks for it once per process)."""
+    if not _extension().cpu_has_amx():
+        raise PrecisionError(
+            "the engine contract's attention is AMX (the engine ran AMX tiles), and this CPU has no AMX: run the training "
+            "side where the engine ran, or probe an engine on this machine"
+        )
+    if not torch._C._cpu._init_amx():
+        raise PrecisionError("the kernel could not get this process's permission to use AMX tiles (arch_prctl XCOMP_PERM)")
+
+
+@engine_attention.register_fake
+def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, variant):  # type: ignore[no-untyped-def]
+    return q.new_empty(q.shape)
+
+
+def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lens: torch.Tensor, mask: torch.Tensor | None,
+                         scale: float, causal: bool, window: int, q_offset: int) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """fp32 attention with the same masks: probabilities [B, H, T, S] and values [B, S, H, D] (GQA expanded)."""
+    heads, kv_heads = q.shape[2], k.shape[2]
+    kf = k.float().repeat_interleave(heads // kv_heads, dim=2)
+    vf = v.float().repeat_interleave(heads // kv_heads, dim=2)
+    scores = torch.einsum("bthd,bshd->bhts", q.float(), kf) * scale
+    t = torch.arange(q.shape[1], device=q.device)[:, None] + q_offset
+    s = torch.arange(k.shape[1], device=q.device)[None, :]
+    allowed = s < key_lens.to(q.device)[:, None, None, None]
+    if causal:
+        allowed = allowed & (s <= t)
+    if window >= 0:
+        allowed = allowed & (s >= t - window)
+    extra = allowed_mask(mask)
+    if extra is not None:
+        allowed = allowed & extra.to(q.device)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1).nan_to_num(0.0)
+    return probs, vf
+
+
+def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    q, k, v, key_lens, mask, scale, causal, window, q_offset, _ = inputs
+    ctx.save_for_backward(q, k, v, key_lens, mask if mask is not None else torch.empty(0))
+    ctx.has_mask = mask is not None
+    ctx.options = (scale, causal, window, q_offset)
+
+
+def _attention_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    q, k, v, key_lens, mask = ctx.saved_tensors
+    scale, causal, window, q_offset = ctx.options
+    probs, vf = _attention_reference(q, k, v, key_lens, mask if ctx.has_mask else None, scale, causal, window, q_offset)
+    heads, kv_heads = q.shape[2], k.shape[2]
+    g = grad.float()
+    grad_v = torch.einsum("bhts,bthd->bshd", probs, g)
+    grad_p = torch.einsum("bthd,bshd->bhts", g, vf)
+    grad_s = probs * (grad_p - (grad_p * probs).sum(-1, keepdim=True))
+    kf = k.float().repeat_interleave(heads // kv_heads, dim=2)
+    grad_q = torch.einsum("bhts,bshd->bthd", grad_s, kf) * scale
+    grad_k = torch.einsum("bhts,bthd->bshd", grad_s, q.float()) * scale
+    fold = heads // kv_heads  # GQA: each key/value head collects its query heads' gradients
+    grad_k = grad_k.reshape(*grad_k.shape[:2], kv_heads, fold, -1).sum(3)
+    grad_v = grad_v.reshape(*grad_v.shape[:2], kv_heads, fold, -1).sum(3)
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None, None
+
+
+engine_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary
+# ---------------------------------------------------------------------------------------------
+
+
+def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x1*c - x2*s | x2*c + x1*s in fp32 (neox layout: the halves of cos / sin are equal). With bf16
+    operands each product is exact in fp32, so a fused multiply-add rounds the same: one rounding, the sum's."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half].float(), x[..., half:].float()
+    c, s = cos[..., :half].float(), sin[..., :half].float()
+    return torch.cat((x1 * c - x2 * s, x2 * c + x1 * s), dim=-1)
+
+
+def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: int) -> torch.Tensor:
+    """fp32 -> bf16 by rounding to nearest even (0) or truncating (1)."""
+    if rounding == ROUNDING_CODE["truncate"] and dtype == torch.bfloat16:
+        x = (x.contiguous().view(torch.int32) & -65536).view(torch.float32)  # the low 16 bits dropped: exact below
+    return x.to(dtype)
+
+
+@torch.library.custom_op("fxp_engine::rotary", mutates_args=())
+def engine_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: int) -> torch.Tensor:
+    """Rotary position embedding as the engine's CPU kernel computes it: fp32 math, one bf16 store."""
+    return round_to(_rotate(x, cos, sin), x.dtype, rounding)
+
+
+@engine_rotary.register_fake
+def _(x, cos, sin, rounding):  # type: ignore[no-untyped-def]
+    return torch.empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=x.dtype, device=x.device)
+
+
+def _rotary_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, cos, sin, _ = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+
+
+def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    cos, sin = ctx.saved_tensors
+    half = grad.shape[-1] // 2
+    g1, g2 = grad[..., :half].float(), grad[..., half:].float()
+    c, s = cos[..., :half].float(), sin[..., :half].float()
+    gx = torch.cat((g1 * c + g2 * s, g2 * c - g1 * s), dim=-1)  # the rotation's transpose; rounding straight through
+    gx = gx.sum_to_size(ctx.x_shape) if tuple(gx.shape) != tuple(ctx.x_shape) else gx
+    return gx.to(ctx.x_dtype), None, None, None
+
+
+engine_rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# linear: the engine's small-batch kernel on the rows it computed in a small batch
+# ---------------------------------------------------------------------------------------------
+
+_ROWS = threading.local()  # the row plan of the sequence being run: (body flags, logits flags), [B, T] bool each
+
+
+@contextlib.contextmanager
+def engine_rows(body: torch.Tensor | None, logits: torch.Tensor | None) -> Iterator[None]:
+    """Within the block, ``fxp_engine::linear`` computes the flagged rows with the engine's small-batch
+    kernel (body: every linear but the logits one; logits: the output projection)."""
+    previous = getattr(_ROWS, "plan", None)
+    _ROWS.plan = (body, logits)
+    try:
+        yield
+    finally:
+        _ROWS.plan = previous
+
+
+def _flags(kind: int, rows: int) -> torch.Tensor | None:
+    plan = getattr(_ROWS, "plan", None)
+    flags = plan[kind] if plan is not None else None
+    if flags is None:
+        return None
+    flat = flags.reshape(-1)
+    if flat.numel() < rows:  # the logits flags have one row fewer (the last token has no successor)
+        flat = torch.cat((flat, torch.zeros(rows - flat.numel(), dtype=torch.bool)))
+    if flat.numel() != rows:
+        raise PrecisionError(f"engine rows: the row plan has {flat.numel()} rows, the linear {rows}; run each sequence alone")
+    return flat
+
+
+@torch.library.custom_op("fxp_engine::linear", mutates_args=())
+def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: int) -> torch.Tensor:
+    """bf16 linear as the engine computes it: its batched kernel (torch's, bit for bit), and on the rows
+    the engine computed in a small batch its small-batch kernel (see contract/batch_rows.py)."""
+    out = torch.nn.functional.linear(x, weight, bias)
+    flags = _flags(kind, out.numel() // out.shape[-1])
+    if flags is None or not bool(flags.any()):
+        return out
+    if not _extension().cpu_has_avx512_bf16():
+        raise PrecisionError("the engine contract's small-batch linear is AVX-512 BF16 and this CPU has none: run where the engine ran")
+    flat_x = x.reshape(-1, x.shape[-1])
+    flat_out = out.reshape(-1, out.shape[-1]).clone()
+    index = flags.nonzero().flatten()
+    small = _extension().small_batch_linear(
+        flat_x.index_select(0, index).contiguous(), weight.contiguous(), bias.float() if bias is not None else torch.empty(0)
+    )
+    flat_out.index_copy_(0, index, small.to(out.dtype))
+    return flat_out.reshape(out.shape)
+
+
+@engine_linear.register_fake
+def _(x, weight, bias, kind):  # type: ignore[no-untyped-def]
+    return x.new_empty((*x.shape[:-1], weight.shape[0]))
+
+
+def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, weight, bias, _ = inputs
+    ctx.save_for_backward(x, weight)
+    ctx.has_bias = bias is not None
+
+
+def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    x, weight = ctx.saved_tensors  # the batched kernel's gradients, as autocast's bf16 linear has them
+    grad_x = grad.matmul(weight.to(grad.dtype))
+    flat_g, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
+    grad_w = flat_g.t().matmul(flat_x.to(grad.dtype))
+    grad_b = flat_g.sum(0) if ctx.has_bias else None
+    return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None
+
+
+engine_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# the residual stream across a graph break: the unrounded sum a fused add + norm normalises
+# ---------------------------------------------------------------------------------------------
+
+_SUMS = threading.local()  # key of a bf16 residual sum -> its fp32 sum, until the next graph's norm takes it
+_KEEP = 4  # a graph's output sum is taken by the next graph's first norm: a few live at most
+
+
+def _key(x: torch.Tensor) -> tuple[Any, ...]:
+    return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
+
+
+def _sums() -> dict[tuple[Any, ...], torch.Tensor]:
+    if not hasattr(_SUMS, "table"):
+        _SUMS.table = {}
+    return _SUMS.table
+
+
+@torch.library.custom_op("fxp_engine::residual_add", mutates_args=())
+def residual_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a + b`` in bf16 (the stream), keeping the fp32 sum for the norm of the graph this one leaves to
+    (``unrounded_residual``): the engine's fused add + norm normalises that sum, and a graph break
+    (an FSDP2 unit, a block compiled alone) falls between the add and the norm."""
+    exact = a.float() + b.float()
+    out = exact.to(a.dtype)
+    table = _sums()
+    table[_key(out)] = exact
+    while len(table) > _KEEP:
+        table.pop(next(iter(table)))
+    return out
+
+
+@residual_add.register_fake
+def _(a, b):  # type: ignore[no-untyped-def]
+    return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
+
+
+def _residual_add_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.shapes = (inputs[0].shape, inputs[1].shape)
+
+
+def _residual_add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return grad.sum_to_size(ctx.shapes[0]), grad.sum_to_size(ctx.shapes[1])
+
+
+residual_add.register_autograd(_residual_add_backward, setup_context=_residual_add_setup)
+
+
+@torch.library.custom_op("fxp_engine::unrounded_residual", mutates_args=())
+def unrounded_residual(x: torch.Tensor) -> torch.Tensor:
+    """``x`` in fp32: the fp32 sum ``residual_add`` kept for it when ``x`` is that sum's bf16 rounding
+    (checked element by element, so a stale entry is never used), else ``x.float()``."""
+    exact = _sums().pop(_key(x), None)
+    if exact is not None and exact.shape == x.shape and torch.equal(exact.to(x.dtype), x):
+        return exact
+    return x.float()
+
+
+@unrounded_residual.register_fake
+def _(x):  # type: ignore[no-untyped-def]
+    return torch.empty(x.shape, dtype=torch.float32, device=x.device)
+
+
+def _unrounded_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.dtype = inputs[0].dtype
+
+
+def _unrounded_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+    return grad.to(ctx.dtype)  # as x.float()'s: the rounding passes gradients straight through
+
+
+unrounded_residual.register_autograd(_unrounded_backward, setup_context=_unrounded_setup)
+
+
+# ---------------------------------------------------------------------------------------------
+# math the engine runs as torch's eager kernels: reductions and transcendental functions
+# ---------------------------------------------------------------------------------------------
+
+_UNARY: dict[str, Any] = {
+    "exp": torch.exp,
+    "log": torch.log,
+    "cos": torch.cos,
+    "sin": torch.sin,
+    "tanh": torch.tanh,
+    "sigmoid": torch.sigmoid,
+    "rsqrt": torch.rsqrt,
+    "erf": torch.erf,
+    "silu": torch.nn.functional.silu,
+    "gelu": torch.nn.functional.gelu,
+    "gelu_tanh": functools.partial(torch.nn.functional.gelu, approximate="tanh"),
+}
+EAGER_MATH = frozenset({*_UNARY, "mean", "sum", "pow"})
+
+
+def _eager(x: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponent: float) -> torch.Tensor:
+    if op == "mean":
+        return x.mean(dims, keepdim=keepdim) if dims else x.mean()
+    if op == "sum":
+        return x.sum(dims, keepdim=keepdim) if dims else x.sum()
+    if op == "pow":
+        return x.pow(exponent)
+    return _UNARY[op](x)
+
+
+@torch.library.custom_op("fxp_engine::eager_math", mutates_args=())
+def eager_math(x: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponent: float) -> torch.Tensor:
+    """``op`` by torch's eager kernel. The engine computes its norms' mean of squares, its rotary tables
+    and its activations with these; Inductor's generated code sums in another order and uses other
+    exp / cos / sin approximations (one fp32 ulp apart on ~10-30% of values, enough to flip a bf16
+    rounding now and then), so a compiled graph keeps the eager kernel here."""
+    return _eager(x, op, dims, keepdim, exponent).clone()
+
+
+@eager_math.register_fake
+def _(x, op, dims, keepdim, exponent):  # type: ignore[no-untyped-def]
+    shaped = _eager(torch.empty_like(x, device="meta"), op, dims, keepdim, exponent)
+    return torch.empty(shaped.shape, dtype=shaped.dtype, device=x.device)
+
+
+def _expand_reduced(grad: torch.Tensor, x: torch.Tensor, dims: list[int], keepdim: bool) -> torch.Tensor:
+    if dims and not keepdim:
+        for d in sorted(d % x.dim() for d in dims):
+            grad = grad.unsqueeze(d)
+    return grad.expand(x.shape)
+
+
+@torch.library.custom_op("fxp_engine::eager_math_backward", mutates_args=())
+def eager_math_backward(x: torch.Tensor, grad: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponent: float) -> torch.Tensor:
+    """The gradient of ``eager_math`` at ``x``: the derivative autograd uses for the op (a custom op's
+    kernel runs below autograd, so the formulas are written out)."""
+    if op in ("mean", "sum"):
+        wide = _expand_reduced(grad, x, dims, keepdim)
+        count = x.numel() // max(1, _eager(x, "sum", dims, keepdim, 1.0).numel()) if op == "mean" else 1
+        return (wide / count).to(x.dtype).contiguous()
+    if op in ("gelu", "gelu_tanh"):
+        return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if op == "gelu_tanh" else "none")
+    if op == "silu":
+        return torch.ops.aten.silu_backward(grad, x)
+    derivative = {
+        "exp": lambda: x.exp(),
+        "log": lambda: x.reciprocal(),
+        "cos": lambda: -x.sin(),
+        "sin": lambda: x.cos(),
+        "tanh": lambda: 1 - x.tanh() ** 2,
+        "sigmoid": lambda: x.sigmoid() * (1 - x.sigmoid()),
+        "rsqrt": lambda: -0.5 * x.rsqrt() ** 3,
+        "erf": lambda: (2 / torch.pi**0.5) * torch.exp(-x * x),
+        "pow": lambda: exponent * x.pow(exponent - 1),
+    }[op]
+    return (grad * derivative()).to(x.dtype)
+
+
+@eager_math_backward.register_fake
+def _(x, grad, op, dims, keepdim, exponent):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x)
+
+
+def _eager_math_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(inputs[0])
+    ctx.args = inputs[1:]
+
+
+def _eager_math_grad(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    (x,) = ctx.saved_tensors
+    return torch.ops.fxp_engine.eager_math_backward(x, grad.contiguous(), *ctx.args), None, None, None, None
+
+
+eager_math.register_autograd(_eager_math_grad, setup_context=_eager_math_setup)
+
+
+@torch.library.custom_op("fxp_engine::eager_layer_norm", mutates_args=())
+def eager_layer_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float) -> torch.Tensor:
+    """``F.layer_norm`` by torch's eager kernel (its mean and variance in its order; Inductor's ``var_mean``
+    sums in another)."""
+    return torch.nn.functional.layer_norm(x, shape, weight, bias, eps)
+
+
+@eager_layer_norm.register_fake
+def _(x, shape, weight, bias, eps):  # type: ignore[no-untyped-def]
+    return torch.empty_like(x)
+
+
+@torch.library.custom_op("fxp_engine::eager_layer_norm_backward", mutates_args=())
+def eager_layer_norm_backward(
+    x: torch.Tensor, grad: torch.Tensor, shape: list[int], weight: torch.Tensor | None, bias: torch.Tensor | None, eps: float
+) -> list[torch.Tensor]:
+    """Gradients of ``eager_layer_norm`` for (x, weight, bias) by torch's layer-norm backward kernel (absent
+    parts as empty tensors)."""
+    _, mean, rstd = torch.ops.aten.native_layer_norm(x, shape, weight, bias, eps)
+    mask = [True, weight is not None, bias is not None]
+    gx, gw, gb = torch.ops.aten.native_layer_norm_backward(grad, x, shape, mean, rstd, weight, bias, mask)
+    return [gx, gw if gw is not None else x.new_empty(0), gb if gb is not None else x.new_empty(0)]
+
+
+@eager_layer_norm_backward.register_fake
+def _(x, grad, shape, weight, bias, eps):  # type: ignore[no-untyped-def]
+    return [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (x, weight, bias)]
+
+
+def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    x, shape, weight, bias, eps = inputs
+    ctx.save_for_backward(x, weight, bias)
+    ctx.shape, ctx.eps, ctx.present = shape, eps, (weight is not None, bias is not None)
+
+
+def _layer_norm_grad(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    x, weight, bias = ctx.saved_tensors
+    gx, gw, gb = torch.ops.fxp_engine.eager_layer_norm_backward(x, grad.contiguous(), ctx.shape, weight, bias, ctx.eps)
+    return gx, None, gw if ctx.present[0] else None, gb if ctx.present[1] else None, None
+
+
+eager_layer_norm.register_autograd(_layer_norm_grad, setup_context=_layer_norm_setup)

