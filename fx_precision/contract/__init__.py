@@ -3,7 +3,8 @@
     EngineContract (detected by probing the engine's own ops on this machine; never assumed per ISA)
     ├── weights     gather bf16 from fp32 masters, compute bf16 (autocast)
     ├── norm        fused-add: the norm after a residual add normalises the fp32 sum; the stream
-    │               keeps the rounded sum (vLLM's fused_add_rms_norm)
+    │               keeps the rounded sum (vLLM's fused_add_rms_norm) | plain: the model adds the
+    │               residual itself and the norm sees the rounded sum (Granite's residual multiplier)
     ├── rotary      kernel (fp32 math, one store, ``rounding``) | native (torch forms: bit-identical to
     │               transformers' apply_rotary_pos_emb, nothing to rewrite)
     ├── attention   AttentionArithmetic: scores (amx | vec), exp (libm | fast512), lane reduction
@@ -11,6 +12,9 @@
     ├── linears     small_batch_rows / shapes: the engine's linears that switch kernels when a forward
     │               holds few rows (a decode step), and at how many (contract/batch_rows.py)
     ├── rounding    nearest-even | truncate: how the engine's kernels store fp32 as bf16
+    ├── eager math  reductions (a norm's mean of squares) and transcendentals (exp, cos, sin, silu)
+    │               by torch's eager kernels, as the engine runs them: Inductor would sum in another
+    │               order and approximate otherwise
     └── logprobs    fp32 log_softmax of bf16 logits (what vLLM's sampler returns)
 
 ``passes/engine_rewrites.py`` rewrites a captured graph to follow it (any architecture whose graph

@@ -48,6 +48,7 @@ ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries --json only
 }
 
 

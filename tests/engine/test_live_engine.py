@@ -48,8 +48,9 @@ def rollout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made: dict[str, Path] = {}
     for arch, lens in (("qwen3", PROMPT_LENS), ("llama", "5,33,140,260")):
         checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=3)
-        run("rollout", "--model", str(checkpoint), "--prompt-lens", lens, "--max-tokens", str(MAX_TOKENS), "--modules",
-            "--out", str(root / f"dump-{arch}"))  # fmt: skip
+        done = run("rollout", "--model", str(checkpoint), "--prompt-lens", lens, "--max-tokens", str(MAX_TOKENS), "--modules",
+                   "--out", str(root / f"dump-{arch}"), "--json")  # fmt: skip
+        assert json.loads(done.stdout)["engine"]["name"] == "vllm"  # stdout is the JSON alone (the engine logs to stderr)
         made[arch], made[f"{arch}-dump"] = checkpoint, root / f"dump-{arch}"
     return made
 
