@@ -42,7 +42,7 @@ _EXPORTS: dict[str, str] = {
     "census": "fx_precision.census",
     "LintReport": "fx_precision.lint",
     "lint": "fx_precision.lint",
-    "Finding": "fx_precision.passes.findings",
+    "Finding": "fx_precision.passes.rules.findings",
     "PrecisionBackend": "fx_precision.backend",
     "dump": "fx_precision.dump",
     "DumpRecorder": "fx_precision.dump",

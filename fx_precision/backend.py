@@ -30,13 +30,14 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import copy_graph_module
-from fx_precision.passes.annotate import param_names
-from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.kinds import CastKind, severity_rank
-from fx_precision.passes.pipeline import GraphRewrite, Mode, PassContext, run_pipeline
+from fx_precision.passes.context import GraphRewrite, Mode, PassContext
+from fx_precision.passes.graph.annotate import param_names
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind, severity_rank
+from fx_precision.passes.graph.units import UnitIndex
+from fx_precision.passes.pipeline import run_pipeline
 from fx_precision.passes.repropagate import graph_device_type
-from fx_precision.passes.units import UnitIndex
+from fx_precision.passes.rules.findings import Finding
 from fx_precision.plan import PrecisionPlan
 from fx_precision.policy import PrecisionPolicy
 
@@ -226,7 +227,7 @@ class PrecisionBackend:
         contract = self.policy.contract if self.policy is not None else None
         if contract is None:
             return []
-        from fx_precision.passes.engine_rewrites import engine_rewrites
+        from fx_precision.passes.rewrites.engine import engine_rewrites
 
         return engine_rewrites(contract)
 

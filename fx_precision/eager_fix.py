@@ -43,10 +43,11 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.passes.analysis import copy_graph_module
 from fx_precision.passes.capture import ModuleIO, capture_graphs, fake_forward_io
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import module_path, node_value, op_name
-from fx_precision.passes.kinds import CastKind
-from fx_precision.passes.pipeline import Mode, PassContext, PipelineResult, run_pipeline
+from fx_precision.passes.context import Mode, PassContext
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind
+from fx_precision.passes.graph.nodes import module_path, node_value, op_name
+from fx_precision.passes.pipeline import PipelineResult, run_pipeline
 from fx_precision.plan import PrecisionPlan
 from fx_precision.policy import PrecisionPolicy
 

@@ -29,10 +29,11 @@ from fx_precision.fsdp import fsdp_units
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, copy_graph_module
 from fx_precision.passes.capture import capture_graphs
-from fx_precision.passes.findings import Finding
-from fx_precision.passes.kinds import Severity, severity_rank
-from fx_precision.passes.pipeline import Mode, PassContext, run_pipeline
-from fx_precision.passes.units import UnitIndex
+from fx_precision.passes.context import Mode, PassContext
+from fx_precision.passes.graph.kinds import Severity, severity_rank
+from fx_precision.passes.graph.units import UnitIndex
+from fx_precision.passes.pipeline import run_pipeline
+from fx_precision.passes.rules.findings import Finding
 from fx_precision.plan import PrecisionPlan, check_plan_matches
 from fx_precision.policy import PrecisionPolicy
 

@@ -57,10 +57,7 @@ class ModuleGraph:
             g.all_paths[key].append(fqn)
             g.by_path[fqn] = key
         for key, mod in g.modules.items():
-            kids: list[int] = []
-            for child in mod.children():
-                if id(child) not in kids:
-                    kids.append(id(child))
+            kids = list(dict.fromkeys(id(child) for child in mod._modules.values() if child is not None))  # children(), deduplicated
             g.children[key] = kids
             g.parents.setdefault(key, [])
             for kid in kids:
@@ -127,7 +124,8 @@ class ModuleGraph:
         return chain
 
     def module_at(self, path: str) -> nn.Module:
-        return self.root.get_submodule(path) if path else self.root
+        key = self.by_path.get(path)
+        return self.modules[key] if key is not None else self.root.get_submodule(path)
 
 
 @dataclass

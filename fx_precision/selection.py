@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
+import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -59,8 +60,13 @@ def _resolve_axis(rules: Sequence[tuple[Rule, set[str]]], alias: str, axis: str,
         value: AxisDtype | None = getattr(rule, axis)
         if value is None or alias not in selected:
             continue
-        out = Resolved(default if value is DEFAULT else value, rule.text())  # type: ignore[arg-type]
+        out = Resolved(default if value is DEFAULT else value, _rule_text(rule))  # type: ignore[arg-type]
     return out
+
+
+@functools.lru_cache(maxsize=1024)
+def _rule_text(rule: Rule) -> str:
+    return rule.text()
 
 
 def selected_aliases(
@@ -100,11 +106,12 @@ def selected_aliases(
         raise _zero_hit(rule, "module class", sel.cls, {type(m).__name__ for _, m in by_fqn}, "classes")
     prefixes = set(matched)
     hits = set()
+    everything = "" in prefixes
     for alias in floating:
         owner = alias.rpartition(".")[0]
-        parts = owner.split(".") if owner else []
-        chain = [""] + [".".join(parts[: i + 1]) for i in range(len(parts))]
-        if any(c in prefixes for c in chain):
+        while owner and owner not in prefixes:  # the alias's owning module or one above it is selected
+            owner = owner.rpartition(".")[0]
+        if owner or everything:
             hits.add(alias)
     if not hits:
         raise PrecisionError(
@@ -122,12 +129,25 @@ def resolve_params(
 ) -> dict[int, tuple[Resolved, Resolved]]:
     """(gather, master) per floating parameter, folded per alias; tied aliases must agree."""
     resolved: dict[int, tuple[Resolved, Resolved]] = {}
+    gather_rules = [(r, hits) for r, hits in selected if r.gather is not None]  # the rules that touch each axis, once
+    master_rules = [(r, hits) for r, hits in selected if r.master is not None]
     for key, info in infos.items():
         if not info.param.is_floating_point():
             continue
         master_default = default_master or info.param.dtype
+        if len(info.aliases) == 1:  # the common case: no tie, nothing to merge
+            alias = info.aliases[0]
+            resolved[key] = (
+                _resolve_axis(gather_rules, alias, "gather", default_gather),
+                _resolve_axis(master_rules, alias, "master", master_default),
+            )
+            continue
         per_alias = [
-            (alias, _resolve_axis(selected, alias, "gather", default_gather), _resolve_axis(selected, alias, "master", master_default))
+            (
+                alias,
+                _resolve_axis(gather_rules, alias, "gather", default_gather),
+                _resolve_axis(master_rules, alias, "master", master_default),
+            )
             for alias in info.aliases
         ]
         g0 = _merge_aliases(info, [(alias, g) for alias, g, _ in per_alias], "gather")

@@ -107,11 +107,13 @@ class _UnitSolver:
         self.has_params: dict[int, bool] = {}
         self.subtree: dict[int, frozenset[torch.dtype]] = {}  # gather dtypes in the dominator subtree
         self.forced_below: dict[int, bool] = {}  # a forced unit strictly inside the subtree
+        self.free: dict[int, frozenset[torch.dtype] | None] = {}  # the subtree's dtypes where it needs no unit of its own
         for key in self._dom_post_order():
             kids = graph.dom_children[key]
             self.has_params[key] = bool(direct.get(key)) or any(self.has_params[c] for c in kids)
             self.subtree[key] = frozenset(direct.get(key, ())).union(*(self.subtree[c] for c in kids))
             self.forced_below[key] = any(c in forced or self.forced_below[c] for c in kids)
+            self.free[key] = None if key in forced or self.forced_below[key] else self.subtree[key]
 
     def _dom_post_order(self) -> list[int]:
         out: list[int] = []
@@ -127,7 +129,14 @@ class _UnitSolver:
         return out
 
     def _children_cost(self, key: int, d: torch.dtype) -> int:
-        return sum(self.solve(kid, d).cost for kid in self.graph.dom_children[key])
+        cost = 0
+        free = self.free
+        for kid in self.graph.dom_children[key]:
+            needs = free[kid]
+            if needs is not None and (not needs or (len(needs) == 1 and d in needs)):
+                continue  # solve(kid, d) would cost 0 (its first case), without the call
+            cost += self.solve(kid, d).cost
+        return cost
 
     def solve(self, key: int, d: torch.dtype) -> _Choice:
         memo_key = (key, d)
@@ -142,7 +151,13 @@ class _UnitSolver:
         is_root = key == id(self.graph.root)
         if key not in self.forced and own <= {d}:
             options.append(_Choice(self._children_cost(key, d), None, (1,)))
-        dtypes = [self.default_gather] if is_root else (sorted(own, key=str) if own else self.candidates)
+        # a unit at a dtype nothing below needs (and not d) never beats one at d: each subtree costs the same
+        # under two dtypes it does not need, so those options are skipped, not weighed
+        below = self.subtree[key]
+        if is_root:
+            dtypes = [self.default_gather]
+        else:
+            dtypes = sorted(own, key=str) if own else [e for e in self.candidates if e == d or e in below]
         for e in dtypes:
             unit_cost = 0 if key in self.forced else 1
             prefer = (0, 0 if e == d else 1, 0 if e == self.default_gather else 1, self.candidates.index(e))

@@ -172,7 +172,7 @@ def test_graph_breaks_and_dynamic_shapes() -> None:
         out = torch.compile(model, backend=backend, dynamic=True)(ids)
     assert out.dtype == BF16
     assert len(compiled) >= 2 and len(backend.reports) == len(compiled)  # one report per graph compiled (either side of the break)
-    assert [c.reason.split()[0] for c in backend.reports[0].source_casts] == ["FXP001"]
+    assert [c.code for c in backend.reports[0].source_casts] == ["FXP001"]
     assert backend.reports[-1].before == []  # the graph after the break: the stream now arrives at bf16
     assert all(r.stream_after.get("fp32", 0) == 0 for r in backend.reports)
 
@@ -206,7 +206,7 @@ def test_registered_name_works_in_a_fresh_interpreter() -> None:
         "with torch.autocast('cpu', dtype=torch.bfloat16):\n"
         "    out = torch.compile(m, backend='fx_precision')(torch.randint(0, 16, (2, 3)))\n"
         "import fx_precision\n"
-        "print(out.dtype, [c.reason.split()[0] for c in fx_precision.precision_backend.reports[0].source_casts])\n"
+        "print(out.dtype, [c.code for c in fx_precision.precision_backend.reports[0].source_casts])\n"
     )
     env = {k: v for k, v in os.environ.items() if k not in ("TORCH_LOGS", "FX_PRECISION_LOG")}
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, env=env)

@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -12,6 +10,7 @@ from torch import nn
 
 from fx_precision.census import Census, CensusRecorder, census
 from fx_precision.tools.toy_decoder import ToyDecoder
+from tests.cli import run_cli
 
 
 def _hooks(model: nn.Module) -> int:
@@ -89,10 +88,6 @@ def test_diff_lists_modules_whose_dtypes_changed_and_json_round_trips() -> None:
     assert "model.layers.0.self_attn.q_proj" in changed  # its input was fp32, now bf16
     assert Census.from_dict(json.loads(leaky.to_json())).entries == leaky.entries
     assert leaky.diff(leaky) == []
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=600)
 
 
 @pytest.mark.needs_transformers

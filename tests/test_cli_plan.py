@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import pytest
 
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=300)
+from tests.cli import run_cli
 
 
 @pytest.mark.needs_transformers

@@ -3,10 +3,7 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +13,7 @@ from torch import nn
 import fx_precision as fxp
 from fx_precision.compare import Side, compare
 from fx_precision.dump import dump, load_dump
+from tests.cli import run_cli
 
 BF16 = torch.bfloat16
 
@@ -137,11 +135,6 @@ def test_bad_dumps_name_the_file_and_what_is_wrong(tmp_path: Path) -> None:
         compare(str(shapes), str(good))
     with pytest.raises(fxp.PrecisionError, match=r"no such directory"):
         compare(str(tmp_path / "nowhere"), str(good))
-
-
-def run_cli(*args: str, cwd: str | None = None) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=600, cwd=cwd, env=env)
 
 
 def test_a_two_rank_fsdp2_dump_matches_a_one_rank_dump_per_rank(tmp_path: Path) -> None:

@@ -154,7 +154,7 @@ def test_eager_math_keeps_torch_kernels_under_inductor() -> None:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    from fx_precision.passes.engine_rewrites import engine_eager_math
+    from fx_precision.passes.rewrites.engine import engine_eager_math
 
     torch.manual_seed(5)
     x, w, pos = (torch.randn(4096, 128) * 3).to(BF16), (torch.randn(128) * 0.1 + 1).to(BF16), torch.arange(4096).float()
@@ -194,11 +194,12 @@ def test_the_rewrites_are_found_on_every_architecture_of_the_sweep(request: pyte
     The default run takes one architecture per family (the sweep's FAST, and one per refusal); --slow the whole zoo."""
     from fx_precision.passes.analysis import copy_graph_module
     from fx_precision.passes.capture import capture_graphs
-    from fx_precision.passes.engine_rewrites import engine_rewrites
-    from fx_precision.passes.pipeline import Mode, PassContext, run_pipeline
-    from fx_precision.passes.units import UnitIndex
+    from fx_precision.passes.context import Mode, PassContext
+    from fx_precision.passes.graph.units import UnitIndex
+    from fx_precision.passes.pipeline import run_pipeline
+    from fx_precision.passes.rewrites.engine import engine_rewrites
     from fx_precision.tools.arch_zoo import ARCHS
-    from tests.test_sweep import FAST
+    from tests.arch_subsets import FAST
 
     found: dict[str, dict[str, int]] = {}
     refused: dict[str, str] = {}

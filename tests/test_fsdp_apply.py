@@ -10,6 +10,7 @@ from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
 from fx_precision.tools.distributed import run_on_ranks
 from fx_precision.tools.zoo import build_model
 from tests import fsdp_workers
+from tests.model_state import model_snapshot, same_model_state
 
 # Tolerances for 2-rank vs 1-rank (fp32 compute). Parameters gathered at fp32 differ only by the
 # order of the fp32 gradient reduction: 1e-5. A bf16-gathered weight's gradient is formed at bf16 per
@@ -109,25 +110,6 @@ def test_bad_rules_raise_in_compile_precision(rules: str, tie: bool, message: st
         compile_precision(model, parse_precision_rules(rules), default_gather="fp32", wrap=layer_wrap_globs(model))
 
 
-def _snapshot(model: torch.nn.Module) -> tuple:
-    """Everything apply_fsdp2 could change: parameter objects, their data and dtypes, buffers, hooks, classes."""
-    params = [(n, id(p), type(p), p.dtype, p.detach().clone()) for n, p in model.named_parameters()]
-    buffers = [(n, b.dtype, b.clone()) for n, b in model.named_buffers()]
-    hooks = [(len(m._forward_pre_hooks), len(m._forward_hooks), type(m)) for m in model.modules()]
-    return params, buffers, hooks
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    (pa, ba, ha), (pb, bb, hb) = a, b
-    return (
-        [x[:4] for x in pa] == [x[:4] for x in pb]
-        and all(torch.equal(x[4], y[4]) for x, y in zip(pa, pb, strict=True))
-        and [x[:2] for x in ba] == [x[:2] for x in bb]
-        and all(torch.equal(x[2], y[2]) for x, y in zip(ba, bb, strict=True))
-        and ha == hb
-    )
-
-
 @pytest.mark.parametrize("defect", ["duplicate unit", "no root unit", "gather off its unit"])
 def test_apply_rejects_an_inconsistent_plan_before_changing_anything(defect: str) -> None:
     """apply_fsdp2 itself refuses: the plan compiles, is then broken, and the bf16 model (which the
@@ -145,10 +127,10 @@ def test_apply_rejects_an_inconsistent_plan_before_changing_anything(defect: str
     else:
         embed = plan.params["model.embed_tokens.weight"]
         broken = replace(plan, params={**plan.params, embed.fqn: replace(embed, gather=torch.float32)})
-    before = _snapshot(model)
+    before = model_snapshot(model)
     with pytest.raises(PrecisionError, match=r"appears twice|exactly one root unit|gathers at fp32 but its unit"):
         apply_fsdp2(model, broken, mesh=None)
-    assert _same(before, _snapshot(model))
+    assert same_model_state(before, model_snapshot(model))
 
 
 def test_apply_rejects_a_plan_for_another_model_without_touching_it() -> None:

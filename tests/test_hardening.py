@@ -18,14 +18,10 @@ import fx_precision as fxp
 from fx_precision.plan import PrecisionPlan
 from fx_precision.tools.toy_decoder import ToyDecoder
 from tests import lint_models as lm
+from tests.cli import run_cli
 from tests.model_trees import Net
 
 CONFIGS = Path(__file__).parent / "configs"
-
-
-def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def one_line_error(out: subprocess.CompletedProcess[str], *needles: str) -> None:
@@ -184,7 +180,7 @@ def test_plan_json_that_is_malformed_or_inconsistent_is_rejected(defect: str) ->
 # 8 -------------------------------------------------------------------------------------------------
 @pytest.mark.parametrize("defect", ["master int64", "mesh None without a process group", "mesh bogus", "duplicate unit"])
 def test_apply_fsdp2_changes_nothing_before_it_fails(defect: str) -> None:
-    from tests.test_fsdp_apply import _same, _snapshot
+    from tests.model_state import model_snapshot, same_model_state
 
     model = ToyDecoder().to(torch.bfloat16)
     plan = fxp.compile_precision(model, fxp.parse_precision_rules(""), default_gather="fp32", default_master="fp32")
@@ -196,10 +192,10 @@ def test_apply_fsdp2_changes_nothing_before_it_fails(defect: str) -> None:
         mesh = "bogus"
     elif defect == "duplicate unit":
         plan = replace(plan, units=(plan.units[0], *plan.units))
-    before = _snapshot(model)
+    before = model_snapshot(model)
     with pytest.raises(fxp.PrecisionError):
         fxp.apply_fsdp2(model, plan, mesh=mesh)
-    assert _same(before, _snapshot(model))
+    assert same_model_state(before, model_snapshot(model))
 
 
 # 9 -------------------------------------------------------------------------------------------------

@@ -14,6 +14,7 @@ import torch
 import fx_precision as fxp
 from fx_precision.lint import LintReport, lint
 from tests import lint_models as lm
+from tests.cli import run_cli
 
 BF16 = torch.bfloat16
 
@@ -211,10 +212,6 @@ def test_full_size_qwen3_5_4b_lints_on_meta_without_allocating_weights() -> None
     assert int(n_params) > 4e9 and (kind, module) == ("uncovered-op", "model.embed_tokens")
     weights_gib = int(n_params) * 4 / 2**30  # what materialised fp32 weights would take: 18 GiB
     assert int(max_rss_kib) / 2**20 < weights_gib / 8, f"peak RSS {int(max_rss_kib) / 2**20:.1f} GiB: weights were materialised"
-
-
-def run_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=600)
 
 
 def validate_lint_json(data: dict) -> None:

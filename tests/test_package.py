@@ -50,3 +50,57 @@ def test_every_exported_name_resolves() -> None:
 
     for name in fx_precision.__all__:
         assert getattr(fx_precision, name) is not None, name
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """fx_precision module -> the fx_precision modules it imports at module level (TYPE_CHECKING blocks excluded)."""
+    import ast
+    from pathlib import Path
+
+    import fx_precision
+
+    root = Path(fx_precision.__file__).parent
+    dotted = {p: ".".join(("fx_precision", *p.relative_to(root).with_suffix("").parts)) for p in root.rglob("*.py")}
+    modules = {name.removesuffix(".__init__"): p for p, name in dotted.items()}
+    graph: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        found: set[str] = set()
+        for stmt in tree.body:  # module level only: a function-level import is a deliberate deferral
+            if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
+                continue
+            for node in ast.walk(stmt) if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else ():
+                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fx_precision"):
+                    targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                    found |= {t for t in targets if t in modules}
+                elif isinstance(node, ast.Import):
+                    found |= {a.name for a in node.names if a.name in modules}
+        graph[name] = found - {name}
+    return graph
+
+
+def test_no_import_circle_and_the_layers_import_downwards() -> None:
+    graph = _module_imports()
+    state: dict[str, int] = {}
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        state[node] = 1
+        for dep in sorted(graph[node]):
+            if state.get(dep) == 1:
+                cycles.append([*path[path.index(dep) :], dep] if dep in path else [node, dep])
+            elif dep not in state:
+                visit(dep, [*path, dep])
+        state[node] = 2
+
+    for name in sorted(graph):
+        if name not in state:
+            visit(name, [name])
+    assert not cycles, cycles
+    for name, deps in graph.items():
+        if name.startswith(("fx_precision.passes.graph", "fx_precision.passes.rules")):
+            assert not {d for d in deps if d.startswith("fx_precision.passes.rewrites")}, (name, deps)  # readers never import rewrites
+        if not name.startswith("fx_precision.tools") and name != "fx_precision.__main__":  # the entry point runs the CLI
+            assert not {d for d in deps if d.startswith("fx_precision.tools")}, (name, deps)  # the core never imports the tools
+        if name.startswith("fx_precision.passes"):
+            assert not deps & {"fx_precision.policy", "fx_precision.fsdp", "fx_precision.backend", "fx_precision.lint"}, (name, deps)

@@ -18,9 +18,9 @@ from torch import fx
 
 from fx_precision.tools.arch_zoo import ARCHS
 from fx_precision.tools.sweep import run_sweep
+from tests.arch_subsets import FAST
 
 # every pattern of the zoo, tied and untied, dense and MoE, exact and inexact eager hooks
-FAST = ("llama", "qwen3-tied", "deepseek-v3", "gemma2", "gpt2", "falcon", "qwen3.5")
 
 PATTERNS = {
     "llama-norm",

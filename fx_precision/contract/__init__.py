@@ -17,7 +17,7 @@
     │               order and approximate otherwise
     └── logprobs    fp32 log_softmax of bf16 logits (what vLLM's sampler returns)
 
-``passes/engine_rewrites.py`` rewrites a captured graph to follow it (any architecture whose graph
+``passes/rewrites/engine.py`` rewrites a captured graph to follow it (any architecture whose graph
 has the pattern); ``contract/ops.py`` holds the ops the rewrites call; ``contract/probe.py`` finds it
 in the engine's process.
 """

@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from torch import fx
 
-from fx_precision.passes.annotate import GraphAnnotation, annotate, param_names
-from fx_precision.passes.dtype_following import narrowed_map, retarget_dtype_following
-from fx_precision.passes.findings import Finding, graph_findings
-from fx_precision.passes.gather_emulation import InsertedCast, emulate_gathers
-from fx_precision.passes.graph_census import GraphCensus, graph_census
+from fx_precision.passes.graph.annotate import GraphAnnotation, annotate, param_names
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.census import GraphCensus, graph_census
+from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.passes.repropagate import repropagate
-from fx_precision.passes.units import UnitIndex
+from fx_precision.passes.rewrites.dtype_following import narrowed_map, retarget_dtype_following
+from fx_precision.passes.rewrites.gather_emulation import emulate_gathers
+from fx_precision.passes.rules.findings import Finding, graph_findings
 
 
 @dataclass

@@ -34,13 +34,13 @@ from torch import fx
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, settle_rewrite
-from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.kinds import CastKind
-from fx_precision.passes.source_casts import cast_sources
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind
+from fx_precision.passes.rewrites.source_casts import cast_sources
+from fx_precision.passes.rules.findings import Finding
 
 if TYPE_CHECKING:
-    from fx_precision.passes.pipeline import PassContext
+    from fx_precision.passes.context import PassContext
 
 MAX_ROUNDS = 32
 

@@ -7,7 +7,7 @@
                         until no new source surfaces (masked sources)                 (fixed_point.py)
     3. drop artefacts   sources that upstream fixes made narrow by themselves         (fixed_point.py)
     4. narrow covered   wide module-crossing tensors that only autocast-covered ops
-                        use, cast once at their producer        [rewrite mode only]   (covered_narrowing.py)
+                        use, cast once at their producer        [rewrite mode only]   (rewrites/covered_narrowing.py)
     5. graph rewrites   passes a caller adds (the engine contract)  [rewrite mode]    (GraphRewrite)
     6. verify           the final analysis: what remains is what enforce judges   [rewrite mode only]
 
@@ -20,67 +20,18 @@ step did not hand it.
 
 from __future__ import annotations
 
-import enum
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
-import torch
 from torch import fx
 
-from fx_precision.passes.analysis import GraphAnalysis, analyse_graph
-from fx_precision.passes.covered_narrowing import narrow_covered_stream
-from fx_precision.passes.findings import Finding
+from fx_precision.passes.analysis import GraphAnalysis
+from fx_precision.passes.context import GraphRewrite, Mode, PassContext
 from fx_precision.passes.fixed_point import drop_artefacts, fix_sources
-from fx_precision.passes.gather_emulation import InsertedCast
+from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.repropagate import repropagate
-from fx_precision.passes.units import UnitIndex
-
-
-class Mode(enum.Enum):
-    REPORT = "report"  # analyse and fix on a throw-away graph: findings of every round
-    REWRITE = "rewrite"  # the graph is the one compiled: every rewrite applies, then verify
-    CASTS = "casts"  # every rewrite on a throw-away graph, no verify: the casts are what is wanted (eager_casts)
-
-
-@dataclass
-class PassContext:
-    """What every pass of one graph needs to know, fixed for the whole pipeline run.
-
-    ``emulate``: cast parameters seen at master dtype to their unit's gather dtype (a plan on one
-    device); only the first analysis does it, every later one sees the casts it inserted.
-    """
-
-    compute: torch.dtype | None
-    device_type: str | None
-    units: UnitIndex
-    example_inputs: list[Any] | None = None
-    known_names: dict[int, tuple[str, str]] | None = None
-    index: int = 0
-    emulate: bool = False
-    fsdp_cast_inputs: bool | None = None
-
-    def analyse(self, gm: fx.GraphModule, *, first: bool = False) -> GraphAnalysis:
-        return analyse_graph(
-            gm,
-            self.example_inputs,
-            compute=self.compute,
-            units=self.units,
-            known_names=self.known_names,
-            emulate=self.emulate and first,
-            index=self.index,
-            fsdp_cast_inputs=self.fsdp_cast_inputs,
-            device_type=self.device_type,
-        )
-
-
-@dataclass(frozen=True)
-class GraphRewrite:
-    """A rewrite a caller adds after the precision fix (step 5): ``apply(gm, ctx)`` edits ``gm`` in
-    place and returns what it did, one ``InsertedCast``-like record per change."""
-
-    name: str
-    apply: Callable[[fx.GraphModule, PassContext], list[InsertedCast]]
+from fx_precision.passes.rewrites.covered_narrowing import narrow_covered_stream
+from fx_precision.passes.rules.findings import Finding
 
 
 @dataclass

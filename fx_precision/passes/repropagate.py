@@ -19,7 +19,7 @@ from torch._subclasses.fake_tensor import FakeTensor
 from fx_precision.autocast import autocast_context
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
-from fx_precision.passes.graph_nodes import module_path, node_value, op_name, source_line
+from fx_precision.passes.graph.nodes import module_path, node_value, op_name, source_line
 
 
 def graph_device_type(gm: fx.GraphModule) -> str:

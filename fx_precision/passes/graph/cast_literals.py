@@ -23,19 +23,15 @@ from collections.abc import Iterator
 
 from torch import fx
 
-from fx_precision.passes.graph_nodes import CAST_METHODS, is_cast
+from fx_precision.passes.graph.nodes import CAST_METHODS, is_cast, stack_frame
 
 LITERAL_DTYPE = re.compile(r"torch\.(float32|float64|float16|bfloat16|float|double|half)\b|\.(float|double|half|bfloat16)\(\)")
-_FRAME = re.compile(r'File "([^"]+)", line (\d+), in \S+\n\s*(.*)')
 _FIXED_DTYPE_METHODS = frozenset({"float", "double", "half", "bfloat16"})
 
 
 def _frame(node: fx.Node) -> tuple[str, int, str] | None:
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
-    if not frames:
-        return None
-    file, line, code = frames[-1]
-    return file, int(line), code.strip()
+    frame = stack_frame(node)
+    return None if frame is None else (frame.file, frame.line, frame.code)
 
 
 @functools.lru_cache(maxsize=256)

@@ -27,11 +27,11 @@ import torch
 from torch import fx
 
 from fx_precision.dtypes import dtype_name
-from fx_precision.passes.annotate import GraphAnnotation
-from fx_precision.passes.cast_literals import LITERAL_DTYPE, names_literal_dtype
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import is_cast, is_custom_op, is_view, module_path, node_dtype, source_line
-from fx_precision.passes.kinds import CastKind, NodeKind
+from fx_precision.passes.graph.annotate import GraphAnnotation
+from fx_precision.passes.graph.cast_literals import LITERAL_DTYPE, names_literal_dtype
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind, NodeKind
+from fx_precision.passes.graph.nodes import is_cast, is_custom_op, is_view, module_path, node_dtype, source_line
 
 
 def _cast_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:

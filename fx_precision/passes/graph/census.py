@@ -17,8 +17,8 @@ import sympy
 import torch
 
 from fx_precision.dtypes import dtype_name
-from fx_precision.passes.annotate import GraphAnnotation
-from fx_precision.passes.graph_nodes import node_value, tensors_in
+from fx_precision.passes.graph.annotate import GraphAnnotation
+from fx_precision.passes.graph.nodes import node_value, tensors_in
 
 
 @dataclass

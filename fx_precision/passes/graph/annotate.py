@@ -37,7 +37,8 @@ from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
 from fx_precision.module_graph import module_label
-from fx_precision.passes.graph_nodes import (
+from fx_precision.passes.graph.kinds import NodeKind
+from fx_precision.passes.graph.nodes import (
     is_cast,
     is_custom_op,
     is_view,
@@ -49,8 +50,7 @@ from fx_precision.passes.graph_nodes import (
     placeholder_attr,
     source_line,
 )
-from fx_precision.passes.kinds import NodeKind
-from fx_precision.passes.units import UnitIndex
+from fx_precision.passes.graph.units import UnitIndex
 
 UNCOVERED = "uncovered-op"
 PROMOTION = "weight-promotion"

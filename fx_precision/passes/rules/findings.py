@@ -26,10 +26,10 @@ from torch import fx
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.module_graph import module_label
-from fx_precision.passes.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, autocast_covered_uses, is_wide
-from fx_precision.passes.graph_nodes import is_cast, node_dtype, node_value, op_name, source_line
-from fx_precision.passes.kinds import NodeKind, Severity
-from fx_precision.passes.units import UnitIndex
+from fx_precision.passes.graph.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, autocast_covered_uses, is_wide
+from fx_precision.passes.graph.kinds import NodeKind, Severity
+from fx_precision.passes.graph.nodes import is_cast, node_dtype, node_value, op_name, source_line
+from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.plan import ParamPlan
 
 CODES = {
@@ -92,10 +92,22 @@ class Finding:
         return "\n".join(lines)
 
 
-def _explained(ann: GraphAnnotation, origin: str) -> tuple[int, list[NodeInfo]]:
-    prop = [i for i in ann.info.values() if origin in i.origin and i.kind is NodeKind.PROPAGATION]
-    stream = [i for i in ann.info.values() if origin in i.origin and i.stream and i.wide]
-    return len(prop), stream
+class _Explained:
+    """Per origin node: how many propagations it explains and the wide stream tensors it reaches (one pass
+    over the graph for all sources, not one per source)."""
+
+    def __init__(self, ann: GraphAnnotation) -> None:
+        self.props: dict[str, int] = {}
+        self.stream: dict[str, list[NodeInfo]] = {}
+        for info in ann.info.values():
+            for origin in info.origin:
+                if info.kind is NodeKind.PROPAGATION:
+                    self.props[origin] = self.props.get(origin, 0) + 1
+                if info.stream and info.wide:
+                    self.stream.setdefault(origin, []).append(info)
+
+    def __call__(self, origin: str) -> tuple[int, list[NodeInfo]]:
+        return self.props.get(origin, 0), self.stream.get(origin, [])
 
 
 def _chain(ann: GraphAnnotation, info: NodeInfo, stream: list[NodeInfo]) -> tuple[str, ...]:
@@ -125,9 +137,10 @@ def graph_findings(
 ) -> list[Finding]:
     compute = ann.compute
     out: list[Finding] = []
+    explained = _Explained(ann)
     for info in ann.info.values():
         if info.kind is NodeKind.SOURCE:
-            props, stream = _explained(ann, info.name)
+            props, stream = explained(info.name)
             if not stream:
                 continue  # contained: the program narrows it again before any module boundary
             weight = ann.info[info.wide_parent] if info.wide_parent is not None else None
@@ -163,7 +176,7 @@ def graph_findings(
                 )
             )
         elif info.kind is NodeKind.INTENTIONAL:
-            props, stream = _explained(ann, info.name)
+            props, stream = explained(info.name)
             if stream:
                 out.append(
                     Finding(
@@ -185,7 +198,7 @@ def graph_findings(
                     )
                 )
         elif info.kind is NodeKind.INPUT and info.wide:
-            props, stream = _explained(ann, info.name)
+            props, stream = explained(info.name)
             leaks = [s for s in stream if s.node is not info.node]
             out.append(
                 Finding(

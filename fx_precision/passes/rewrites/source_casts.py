@@ -21,11 +21,11 @@ from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
 from fx_precision.module_graph import module_label
-from fx_precision.passes.annotate import PROMOTION, GraphAnnotation, NodeInfo
-from fx_precision.passes.findings import Finding
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import cast_for_one_use, is_cast, is_view, node_dtype, node_value, redirect_through_cast
-from fx_precision.passes.kinds import CastKind
+from fx_precision.passes.graph.annotate import PROMOTION, GraphAnnotation, NodeInfo
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind
+from fx_precision.passes.graph.nodes import cast_for_one_use, is_cast, is_view, node_dtype, node_value, redirect_through_cast
+from fx_precision.passes.rules.findings import Finding
 
 
 def _cast_points(node: fx.Node, compute: torch.dtype) -> list[fx.Node]:
@@ -81,6 +81,7 @@ def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dt
                     where,
                     info.name,
                     CastKind.SOURCE_OPERAND,
+                    finding.code,
                 )
             )
             continue
@@ -96,6 +97,7 @@ def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dt
                     info.module,
                     info.name,
                     CastKind.SOURCE_OUTPUT,
+                    finding.code,
                 )
             )
     if casts:

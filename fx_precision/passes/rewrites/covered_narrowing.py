@@ -19,10 +19,10 @@ from __future__ import annotations
 import torch
 
 from fx_precision.dtypes import is_analysed_float
-from fx_precision.passes.annotate import GraphAnnotation, autocast_covered_uses
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import node_value, redirect_through_cast
-from fx_precision.passes.kinds import CastKind
+from fx_precision.passes.graph.annotate import GraphAnnotation, autocast_covered_uses
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind
+from fx_precision.passes.graph.nodes import node_value, redirect_through_cast
 
 
 def narrow_covered_stream(ann: GraphAnnotation, compute: torch.dtype) -> list[InsertedCast]:

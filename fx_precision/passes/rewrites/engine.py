@@ -32,10 +32,10 @@ from torch import fx
 from fx_precision.contract import EngineContract
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
-from fx_precision.passes.gather_emulation import InsertedCast
-from fx_precision.passes.graph_nodes import module_path, node_dtype, node_value, source_line
-from fx_precision.passes.kinds import CastKind
-from fx_precision.passes.pipeline import GraphRewrite, PassContext
+from fx_precision.passes.context import GraphRewrite, PassContext
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import CastKind
+from fx_precision.passes.graph.nodes import module_path, node_dtype, node_value, source_line
 
 _SDPA = {torch.nn.functional.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
 _ADD = {operator.add, torch.add, operator.iadd}

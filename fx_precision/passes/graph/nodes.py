@@ -9,7 +9,7 @@ to placeholders named after their source (``l_self_modules_model_modules_embed_t
 from __future__ import annotations
 
 import re
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 from torch import fx
@@ -65,16 +65,31 @@ def module_path(node: fx.Node) -> str:
     return normalise_source(str(path))
 
 
-def source_line(node: fx.Node) -> str | None:
-    """``file:line in function: code`` of the innermost user frame in the node's stack trace."""
-    trace = node.meta.get("stack_trace")
-    if not trace:
-        return None
-    frames = re.findall(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)', trace)
+class StackFrame(NamedTuple):
+    """The innermost user frame of a node's Dynamo stack trace."""
+
+    file: str
+    line: int
+    function: str
+    code: str
+
+
+_FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
+
+
+def stack_frame(node: fx.Node) -> StackFrame | None:
+    """The innermost frame of ``meta["stack_trace"]`` (the line of user code that made the node), or None."""
+    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
     if not frames:
         return None
-    file, line, func, code = frames[-1]
-    return f"{file}:{line} in {func}: {code.strip()}"
+    file, line, function, code = frames[-1]
+    return StackFrame(file, int(line), function, code.strip())
+
+
+def source_line(node: fx.Node) -> str | None:
+    """``file:line in function: code`` of the innermost user frame in the node's stack trace."""
+    frame = stack_frame(node)
+    return None if frame is None else f"{frame.file}:{frame.line} in {frame.function}: {frame.code}"
 
 
 def op_name(node: fx.Node) -> str:

@@ -11,36 +11,14 @@ at a dtype that is neither its gather nor its master dtype is a plan mismatch, n
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
-from typing import Any
-
-import torch
-
 from fx_precision.dtypes import dtype_name
 from fx_precision.module_graph import module_label
-from fx_precision.passes.annotate import GraphAnnotation, NodeInfo
-from fx_precision.passes.graph_nodes import redirect_through_cast
-from fx_precision.passes.kinds import CastKind
-from fx_precision.passes.units import UnitIndex
+from fx_precision.passes.graph.annotate import GraphAnnotation, NodeInfo
+from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import NodeKind
+from fx_precision.passes.graph.nodes import redirect_through_cast
+from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.plan import ParamPlan
-
-
-@dataclass(frozen=True)
-class InsertedCast:
-    """A cast the pass inserted (or retargeted): ``node`` reads ``of`` at ``frm`` and makes ``to``."""
-
-    node: str
-    of: str
-    frm: torch.dtype | None
-    to: torch.dtype
-    reason: str
-    module: str
-    fixes: str | None = None  # the source finding's node a source cast fixes
-    kind: CastKind = CastKind.GATHER
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready: dtypes by name (``bf16``), the kind by value (``gather-emulation``)."""
-        return {**asdict(self), "frm": dtype_name(self.frm), "to": dtype_name(self.to), "kind": str(self.kind)}
 
 
 def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[InsertedCast], list[tuple[NodeInfo, ParamPlan]]]:
@@ -50,7 +28,7 @@ def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[Insert
     casts: list[InsertedCast] = []
     mismatches: list[tuple[NodeInfo, ParamPlan]] = []
     for node, info in list(ann.info.items()):
-        if info.kind != "weight" or info.param_kind != "parameter" or info.param is None or info.dtype is None:
+        if info.kind is not NodeKind.WEIGHT or info.param_kind != "parameter" or info.param is None or info.dtype is None:
             continue
         planned = units.param(info.param)
         if planned is None or info.dtype == planned.gather:
