@@ -148,6 +148,7 @@ def start_engine(cfg: RolloutConfig) -> Engine:
     cc = read_checkpoint_config(cfg.model)  # a bad checkpoint is one line before the engine starts
     for key, value in {**ENGINE_ENV, "OMP_NUM_THREADS": str(cfg.threads)}.items():
         os.environ[key] = value
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's own warnings (with its tracebacks) on request only
     torch.set_num_threads(cfg.threads)  # torch read OMP_NUM_THREADS at import; the engine's kernels ask OpenMP
     _force_isa(cfg.isa)
     vllm = import_vllm()
