@@ -45,10 +45,10 @@ from fx_precision.tools.cli import main as cli
 PROMPT_LENS = "7,40,150,301"
 
 
-def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_tokens: int) -> dict[str, Any]:
+def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_tokens: int, split_kv: str = "default") -> dict[str, Any]:
     command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--model", str(checkpoint), "--prompt-lens", PROMPT_LENS,
-               "--max-tokens", str(max_tokens), "--threads", str(threads), "--modules", "--out", str(out), "--overwrite",
-               "--json"]  # fmt: skip
+               "--max-tokens", str(max_tokens), "--threads", str(threads), "--split-kv", split_kv, "--modules", "--out", str(out),
+               "--overwrite", "--json"]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -141,8 +141,8 @@ def measure(arch: str, args: argparse.Namespace, root: Path) -> list[dict[str, A
     contract = None
     for threads in args.threads if (full and not args.step_time_only) else args.threads[:1]:
         dump = root / f"dump-{arch}-t{threads}"
-        engine = rollout(args.engine_python, checkpoint, dump, threads, args.max_tokens)
-        base = {"arch": arch, "threads": threads}
+        engine = rollout(args.engine_python, checkpoint, dump, threads, args.max_tokens, args.split_kv)
+        base = {"arch": arch, "threads": threads, "split_kv": args.split_kv}
         if "error" in engine:
             rows.append({**base, "row": "rollout", "error": engine["error"]})
             continue
@@ -195,6 +195,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per variant (0: no step time)")
     parser.add_argument("--batch", type=int, default=2)
     parser.add_argument("--seq-len", type=int, default=256)
+    parser.add_argument(
+        "--split-kv", choices=["default", "on", "off"], default="default", help="the engine's split-KV attention (rollout --split-kv)"
+    )
     parser.add_argument("--step-time-only", action="store_true", help="only the step-time rows (the engine probe runs, for the contract)")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()

@@ -279,3 +279,27 @@ def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     assert set(under["master_dtypes"].values()) == {torch.float32} and set(under["grad_dtypes"].values()) == {torch.float32}
     worst = max(float((under["grads"][n] - g).norm() / g.norm().clamp_min(1e-12)) for n, g in plain["grads"].items())
     assert worst < 5e-2, worst
+
+
+@pytest.mark.needs_transformers
+@pytest.mark.parametrize("arch", ["llama", "phi3"])
+def test_the_linear_probe_finds_fused_projections_stored_split_or_fused(arch: str, tmp_path: Path) -> None:
+    """The engine fuses q/k/v and gate/up; a checkpoint stores them split (Llama) or fused (Phi-3). Either way the
+    probe must find the engine's fused weight, or the decode steps' small-batch kernel goes unfollowed on that shape."""
+    from safetensors.torch import load_file
+
+    from fx_precision.contract.probe import checkpoint_weights
+    from fx_precision.tools.checkpoint import write_tiny_checkpoint
+
+    directory = write_tiny_checkpoint(arch, tmp_path / arch)
+    stored = {k: v for f in sorted(directory.glob("*.safetensors")) for k, v in load_file(str(f)).items()}
+    lookup = checkpoint_weights(str(directory))
+    qkv, _ = lookup("model.layers.0.self_attn.qkv_proj")
+    gate_up, _ = lookup("model.layers.0.mlp.gate_up_proj")
+    if arch == "phi3":
+        assert torch.equal(qkv, stored["model.layers.0.self_attn.qkv_proj.weight"])
+        assert torch.equal(gate_up, stored["model.layers.0.mlp.gate_up_proj.weight"])
+    else:
+        parts = [stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
+        assert torch.equal(qkv, torch.cat(parts)) and gate_up.shape[0] == 2 * stored["model.layers.0.mlp.up_proj.weight"].shape[0]
+    assert lookup("model.layers.0.self_attn.nothing") is None

@@ -82,6 +82,7 @@ def test_sequence_length_is_bounded_where_it_is_read(seq_len: str) -> None:
     one_line_error(out, "--seq-len")
 
 
+@pytest.mark.needs_transformers  # the bound comes from the checkpoint's transformers config
 def test_sequence_longer_than_the_model_positions_is_refused() -> None:
     one_line_error(run_cli("lint", "--model", str(CONFIGS / "llama-3-8b"), "--seq-len", "9000"), "max_position_embeddings=8192")
 

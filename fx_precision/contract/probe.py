@@ -215,7 +215,8 @@ def _linear_calls(model: Any) -> dict[str, tuple[Any, int]]:
 
 
 def checkpoint_weights(directory: str) -> Any:
-    """name -> (weight, bias) of a vLLM linear from the checkpoint it loaded (fused qkv / gate_up rebuilt)."""
+    """name -> (weight, bias) of a vLLM linear from the checkpoint it loaded (fused qkv / gate_up rebuilt from
+    their parts, or read as stored where the checkpoint holds them fused)."""
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
@@ -232,10 +233,9 @@ def checkpoint_weights(directory: str) -> Any:
             return (weight, None) if weight is not None else None
         prefix, leaf = name.rsplit(".", 1)
         parts = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}.get(leaf)
-        if parts is not None:
-            weight = fused(prefix, parts, "weight")
-            return (weight, fused(prefix, parts, "bias")) if weight is not None else None
-        weight = tensors.get(f"{name}.weight")
+        if parts is not None and (weight := fused(prefix, parts, "weight")) is not None:
+            return weight, fused(prefix, parts, "bias")
+        weight = tensors.get(f"{name}.weight")  # also a checkpoint that stores the fused weight (Phi-3's qkv_proj, gate_up_proj)
         return (weight, tensors.get(f"{name}.bias")) if weight is not None else None
 
     return lookup
@@ -287,6 +287,8 @@ def probe_linears(
                 small = _extension().small_batch_linear(x[:m], weight, bias.float() if bias is not None else torch.empty(0))
                 wrong["small-batch kernel"] += int((small != got).any(-1).sum())
         evidence[f"{name} {tuple(weight.shape)}"] = wrong
+        if wrong["small-batch kernel"] and wrong["batched kernel"]:
+            evidence.setdefault("unmatched", []).append(name)  # neither kernel the contract knows: its rows will differ
         if wrong["small-batch kernel"] == 0:  # matched every row (both kernels agreeing on all of them is recorded as such)
             shapes.append(tuple(weight.shape))
             shapes.extend(_parts(name, tuple(weight.shape), config) if config is not None else [])
@@ -313,7 +315,12 @@ def probe_engine(engine: Any, checkpoint: str, norm_calls: dict[str, int] | None
         "attention": attention_counts,
         "attention_isa": engine.info["attention_isa"],
         "kernels": engine.info["kernels"],
-        "matched": {"rotary": rotary != "unmatched", "norm": norm != "unmatched", "attention": attention is not None},
+        "matched": {
+            "rotary": rotary != "unmatched",
+            "norm": norm != "unmatched",
+            "attention": attention is not None,
+            "linears": not linear_counts.get("unmatched"),
+        },
     }
     rounding = rotary_rounding or (attention.store if attention else "nearest-even")
     return EngineContract(

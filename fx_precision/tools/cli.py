@@ -421,6 +421,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     data = {"a": describe(a), "b": describe(b), **result.to_dict()}
     if args.contract:
         data["contract"] = getattr(b, "contract", None)
+        data["contract_notes"] = contract_notes((data["contract"] or {}).get("evidence", {}), getattr(b, "engine", None) or {})
     _emit(args, data, lambda: f"{head}\n\n{result.render()}")
     if args.fail_above is not None:
         failure = gate(lp, args.fail_above)
@@ -469,13 +470,26 @@ def _engine_sides(args: argparse.Namespace) -> tuple[Any, Any, str]:
 
         contract = contract_of_dump(engine)
         head += f"\ncontract: {contract.describe()}"
-        unmatched = [k for k, ok in contract.evidence.get("matched", {}).items() if not ok]
-        if unmatched:
-            head += (
-                f"\nthe engine's {', '.join(unmatched)} matched no candidate the contract knows (evidence in the dump's contract): "
-                "expect those ops to differ"
-            )
+        for note in contract_notes(contract.evidence, engine.engine or {}):
+            head += f"\n{note}"
     return train, engine, head
+
+
+def contract_notes(evidence: dict[str, Any], engine: dict[str, Any]) -> list[str]:
+    """What the contract could not follow in this engine run, each with what to do about it."""
+    notes = []
+    unmatched = [k for k, ok in evidence.get("matched", {}).items() if not ok]
+    if unmatched:
+        notes.append(
+            f"the engine's {', '.join(unmatched)} matched no candidate the contract knows (evidence in the dump's contract): "
+            "expect those ops to differ"
+        )
+    if int(engine.get("threads") or 1) > 1 and engine.get("split_kv"):
+        notes.append(
+            f"the engine ran split-KV attention on {engine['threads']} threads (long sequences' keys split across threads, "
+            "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
+        )
+    return notes
 
 
 def finite_nonnegative(text: str) -> float:
@@ -525,6 +539,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         modules=args.modules,
         threads=args.threads,
         custom_ops=args.custom_ops,
+        split_kv=args.split_kv,
         isa=args.isa,
     )
     dump = run_rollout(cfg)
@@ -723,6 +738,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--modules", action="store_true", help="also record every module's inputs and outputs (one prefill per sequence)")
     p.add_argument("--threads", type=bounded_int("--threads", 1, 256), default=1, help="the engine's OpenMP threads (default 1)")
     p.add_argument("--custom-ops", choices=["default", "none"], default="default", help="vLLM's custom ops (none: native torch forms)")
+    p.add_argument(
+        "--split-kv",
+        choices=["default", "on", "off"],
+        default="default",
+        help="vLLM's split-KV CPU attention with --threads > 1 (default: the environment's VLLM_CPU_ATTN_SPLIT_KV, on in vLLM); "
+        "the engine contract follows off",
+    )
     p.add_argument(
         "--isa", choices=["auto", "avx2", "avx512"], default="auto", help="force a kernel build of the engine (auto: its own pick)"
     )

@@ -62,6 +62,7 @@ class RolloutConfig:
     modules: bool = False
     threads: int = 1
     custom_ops: str = "default"  # "default": vLLM's choice (C++ rotary on CPU); "none": native torch forms
+    split_kv: str = "default"  # "default": the environment's VLLM_CPU_ATTN_SPLIT_KV (vLLM: on); "on" | "off"
     isa: str = "auto"
     max_model_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
@@ -148,6 +149,8 @@ def start_engine(cfg: RolloutConfig) -> Engine:
     cc = read_checkpoint_config(cfg.model)  # a bad checkpoint is one line before the engine starts
     for key, value in {**ENGINE_ENV, "OMP_NUM_THREADS": str(cfg.threads)}.items():
         os.environ[key] = value
+    if cfg.split_kv != "default":  # split-KV attention on several threads: an order of sums the contract does not follow
+        os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "1" if cfg.split_kv == "on" else "0"
     os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's own warnings (with its tracebacks) on request only
     torch.set_num_threads(cfg.threads)  # torch read OMP_NUM_THREADS at import; the engine's kernels ask OpenMP
     _force_isa(cfg.isa)
