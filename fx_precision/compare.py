@@ -589,6 +589,12 @@ class LogprobView:
     origin: str
 
 
+def next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """[B, T-1]: fp32 ``log_softmax`` of the logits as they are (bf16 under autocast) at each next token,
+    what vLLM's sampler returns for a sampled or prompt token."""
+    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
+
+
 def logprob_view(dump: Dump) -> LogprobView | None:
     """Recorded log-probs (an engine's), else ``log_softmax(logits.float())`` of the root's logits at
     the root's token ids (each batch row one sequence, all prompt), else None."""
@@ -605,7 +611,7 @@ def logprob_view(dump: Dump) -> LogprobView | None:
     logits, ids = _root_logits_and_ids(dump)
     if logits is None or ids is None or logits.dim() != 3 or ids.dim() != 2 or tuple(ids.shape) != tuple(logits.shape[:2]):
         return None
-    lp = torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
+    lp = next_token_logprobs(logits, ids)
     sequences = [Sequence(tuple(int(t) for t in row), len(row)) for row in ids.tolist()]
     return LogprobView(sequences, [row.double() for row in lp], int(logits.shape[-1]), "from the root's logits")
 

@@ -80,6 +80,12 @@ RANKS_WHY = "at most one gloo rank per core and per GiB of memory on this machin
 MAX_TOKENS = 1 << 20
 
 
+def _add_out_args(p: argparse.ArgumentParser, what: str) -> None:
+    """--out DIR and --overwrite for a verb that writes a directory (a dump or a checkpoint), written whole."""
+    p.add_argument("--out", required=True, metavar="DIR", help=f"{what} directory (written atomically, whole)")
+    p.add_argument("--overwrite", action="store_true", help=f"replace a {what} already at --out, whole")
+
+
 def _add_json_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
@@ -658,8 +664,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_policy_args(p)
     _add_batch_args(p)
     _add_eager_fix_arg(p)
-    p.add_argument("--out", required=True, metavar="DIR", help="dump directory (created; written atomically)")
-    p.add_argument("--overwrite", action="store_true", help="replace a dump already at --out, whole")
+    _add_out_args(p, "dump")
     p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
     _add_rank_args(p, min_ranks=0, default=0, what="0 (default): one process, no FSDP2; N: FSDP2 on N gloo ranks")
     p.set_defaults(handler=cmd_dump)
@@ -716,9 +721,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--model", required=True, metavar="ARCH", help="an architecture of fx-precision sweep (qwen3, llama, qwen2, mistral, ...)"
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="checkpoint directory (written whole)")
+    _add_out_args(p, "checkpoint")
     p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=0)
-    p.add_argument("--overwrite", action="store_true", help="replace a checkpoint already at --out")
     _add_json_arg(p)
     p.set_defaults(handler=cmd_checkpoint)
 
@@ -748,8 +752,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--isa", choices=["auto", "avx2", "avx512"], default="auto", help="force a kernel build of the engine (auto: its own pick)"
     )
-    p.add_argument("--out", required=True, metavar="DIR", help="dump directory (written atomically)")
-    p.add_argument("--overwrite", action="store_true", help="replace a dump already at --out, whole")
+    _add_out_args(p, "dump")
     _add_json_arg(p)
     p.set_defaults(handler=cmd_rollout)
 

@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fx_precision.compare import next_token_logprobs
 from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
 from fx_precision.tools.census_driver import CensusConfig
@@ -35,11 +36,6 @@ class TrainConfig:
     compiled: bool = False
     inner: str = "inductor"  # the backend's inner compiler when compiled
     modules: bool = True  # record module inputs and outputs (eager, in process)
-
-
-def sequence_logprobs(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
-    """fp32 log_softmax of the logits as they are (bf16 under autocast) at each next token: what vLLM returns."""
-    return torch.log_softmax(logits[0, :-1].float(), dim=-1).gather(-1, tokens[0, 1:, None]).squeeze(-1)
 
 
 def _policy(cfg: TrainConfig, model: nn.Module, dump: Dump) -> Any:
@@ -80,7 +76,7 @@ def _forward_each(model: Any, dump: Dump, policy: Any, out: Dump, record: Any) -
         rows = engine_rows(*plan.tensors()) if plan is not None else contextlib.nullcontext()
         with torch.no_grad(), policy.forward_context("cpu"), rows:
             logits = _logits(model(input_ids=tokens, use_cache=False))
-        out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), sequence_logprobs(logits, tokens))
+        out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), next_token_logprobs(logits, tokens)[0])
         if record is not None:
             record(tokens, logits)
 
