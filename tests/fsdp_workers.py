@@ -19,6 +19,16 @@ from fx_precision.tools.zoo import build_model, logits_of, token_batch
 BATCH, SEQ = 4, 16
 
 
+def in_turn(rank: int, world_size: int, calls: list[tuple[str, tuple[Any, ...]]]) -> list[Any] | None:
+    """Several workers of this module one after another in the same ranks: one spawn (an interpreter and
+    its imports per rank) instead of one per run. Dynamo is reset between them; rank 0 returns the results."""
+    results = []
+    for name, args in calls:
+        torch._dynamo.reset()
+        results.append(globals()[name](rank, world_size, *args))
+    return results if rank == 0 else None
+
+
 def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 

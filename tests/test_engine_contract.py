@@ -14,12 +14,14 @@ import torch
 import fx_precision as fxp
 from fx_precision.contract import AttentionArithmetic, EngineContract
 from fx_precision.contract.batch_rows import check_logits_calls, row_plans
+from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary, engine_rows, variant_codes
 from fx_precision.errors import PrecisionError
 
 BF16 = torch.bfloat16
 VEC = AttentionArithmetic(scores="vec", exp="libm", reduce="avx2", p_bf16=False, fma=False, store="truncate")  # the AVX2 build's
 PORTABLE = EngineContract(attention=VEC, rounding="truncate")  # runs on any x86 CPU: no AMX, no small-batch linears
+NEAREST = EngineContract(attention=VEC, rounding="nearest-even")  # rotary written into the graph (truncation: an op)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -58,17 +60,70 @@ def test_vec_attention_is_fp32_attention_stored_once_and_rows_do_not_depend_on_t
 
 
 def test_amx_attention_runs_the_hardware_instruction_or_says_it_cannot() -> None:
-    from fx_precision.contract.ops import _extension
-
     q, k, v = (torch.randn(1, 40, 2, 32).to(BF16) for _ in range(3))
     codes = variant_codes(AttentionArithmetic())
-    if not _extension().cpu_has_amx():
+    if not engine_kernels().cpu_has_amx():
         with pytest.raises(PrecisionError, match="this CPU has no AMX"):
             engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, codes)
         return
     out = engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, codes)
     again = engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, codes)
     assert torch.equal(out, again) and (out.float() - _reference(q, k, v)).abs().max() < 2e-2
+
+
+def test_amx_attention_16_rows_per_tile_is_the_one_row_reference_bit_for_bit() -> None:
+    """The AMX kernel runs 16 query rows per tile (keys a row does not see enter with p = 0); every row must be
+    the bits of the one-row reference, the engine's order, on every mask form: causal, window, padding, boolean
+    masks per head, decode offsets, GQA, head dims of 32 to 128, and scores large enough to underflow exp."""
+    from fx_precision.contract.ops import _require_amx
+
+    if not engine_kernels().cpu_has_amx():
+        with pytest.raises(PrecisionError, match="this CPU has no AMX"):
+            _require_amx()
+        return
+    _require_amx()
+    torch.manual_seed(6)
+    cases = [  # (B, T, S, H, KVH, D, causal, window, q_offset, mask heads or 0, key lengths or None, score scale)
+        (2, 150, 150, 4, 2, 32, True, -1, 0, 0, None, 1.0), (1, 45, 45, 4, 4, 128, True, -1, 0, 0, None, 1.0),
+        (3, 37, 37, 8, 2, 64, True, -1, 0, 0, None, 1.0), (2, 5, 100, 4, 2, 64, True, -1, 95, 0, None, 1.0),
+        (2, 70, 70, 4, 2, 32, True, 20, 0, 0, None, 1.0), (2, 70, 70, 4, 2, 32, False, -1, 0, 0, None, 1.0),
+        (2, 70, 70, 4, 2, 32, True, -1, 0, 0, [70, 33], 1.0), (2, 70, 70, 4, 2, 32, True, -1, 0, 1, None, 1.0),
+        (2, 70, 70, 4, 2, 32, False, -1, 0, 4, None, 1.0), (2, 64, 64, 4, 2, 32, True, -1, 0, 0, None, 30.0),
+    ]  # fmt: skip
+    for B, T, S, H, KVH, D, causal, window, offset, mask_heads, lens, spread in cases:
+        q, k = (torch.randn(B, T, H, D) * spread).to(BF16), (torch.randn(B, S, KVH, D) * spread).to(BF16)
+        v = torch.randn(B, S, KVH, D).to(BF16)
+        key_lens = torch.tensor(lens) if lens else torch.full((B,), S)
+        mask = torch.rand(B, mask_heads, T, S) > 0.3 if mask_heads else None
+        for arithmetic in (AttentionArithmetic(), AttentionArithmetic(exp="libm", reduce="avx2", store="truncate")):
+            args = (q, k, v, key_lens, mask, D**-0.5, causal, window, offset, variant_codes(arithmetic))
+            tiled, rowwise = engine_kernels().attention(*args), engine_kernels().attention(*args, rowwise=True)
+            assert torch.equal(tiled.view(torch.int16), rowwise.view(torch.int16)), (B, T, S, H, KVH, D, causal, window, offset, arithmetic)
+
+
+def test_a_mask_that_is_the_causal_range_runs_as_the_range() -> None:
+    """transformers hands sdpa its causal mask as a tensor: the op runs it as causal=True with no mask (the same
+    keys, no per-key reads), and keeps any mask that blocks more, row by row."""
+    from fx_precision.contract.ops import _mask_as_range
+
+    T = S = 6
+    causal = torch.ones(T, S, dtype=torch.bool).tril()[None, None].expand(2, 1, T, S)
+    full = torch.tensor([6, 6])
+    assert _mask_as_range(causal, full, False, -1, 0) == (None, True)
+    assert _mask_as_range(causal, full, True, -1, 0) == (None, True)
+    assert _mask_as_range(torch.ones(2, 1, T, S, dtype=torch.bool), full, True, -1, 0) == (None, True)  # adds nothing
+    padded = causal.clone()
+    padded[1, :, :, 4:] = False  # keys past row 1's length are blocked by key_lens anyway
+    assert _mask_as_range(padded, torch.tensor([6, 4]), False, -1, 0) == (None, True)
+    holed = causal.clone()
+    holed[0, 0, 5, 2] = False
+    kept, is_causal = _mask_as_range(holed, full, False, -1, 0)
+    assert kept is holed and is_causal is False
+    q, k, v = (torch.randn(2, T, 2, 32).to(BF16) for _ in range(3))
+    codes = variant_codes(VEC)
+    by_mask = engine_attention(q, k, v, full, holed, 32**-0.5, False, -1, 0, codes)
+    assert torch.equal(by_mask[1], engine_attention(q, k, v, full, None, 32**-0.5, True, -1, 0, codes)[1])
+    assert not torch.equal(by_mask[0, 5], engine_attention(q, k, v, full, None, 32**-0.5, True, -1, 0, codes)[0, 5])
 
 
 def test_attention_gradients_are_fp32_attention_gradients() -> None:
@@ -103,15 +158,61 @@ def test_rotary_is_fp32_math_one_store_and_straight_through_in_backward() -> Non
     assert torch.equal(grad.float(), want.to(BF16).float())  # the rotation's gradient: rounding passed straight through
 
 
-def test_the_linear_follows_the_row_plan() -> None:
-    from fx_precision.contract.ops import _extension
+def test_rsqrt_under_inductor_is_torch_rsqrt_bit_for_bit() -> None:
+    """The contract leaves a norm's rsqrt to Inductor: its code and torch's eager kernel are both IEEE 1 / sqrt(x),
+    vector body and scalar tail. Values across the fp32 range (subnormal to huge), a length with a tail."""
+    import torch._inductor.config as inductor_config
 
+    torch.manual_seed(7)
+    x = torch.cat((torch.rand(100_003) * 10.0 ** torch.randint(-40, 38, (100_003,)).float(), torch.tensor([1e-45, 3.4e38, 1.0])))
+    torch._dynamo.reset()
+    with inductor_config.patch(emulate_precision_casts=True):
+        compiled = torch.compile(lambda t: torch.rsqrt(t + 1e-6), backend="inductor")(x)
+    assert torch.equal(compiled.view(torch.int32), torch.rsqrt(x + 1e-6).view(torch.int32))
+
+
+def test_the_rotation_in_the_graph_is_the_engine_kernel_under_inductor() -> None:
+    """With a nearest-even store the rotary rewrite writes the rotation into the graph (fp32 from bf16 operands,
+    one store), so Inductor fuses it with its neighbours: it must still be the kernel's bits, with cos / sin
+    given in fp32 or bf16, and the coverage check must not take the written rotation for an unfollowed one."""
+    import torch._inductor.config as inductor_config
+    from torch._inductor.compile_fx import compile_fx
+
+    from fx_precision.passes.rewrites.engine import engine_coverage
+    from fx_precision.passes.rewrites.engine import engine_rotary as rotary_rewrite
+
+    def rotate_half(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((-t[..., t.shape[-1] // 2 :], t[..., : t.shape[-1] // 2]), dim=-1)
+
+    def model(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        q = (x @ w).to(BF16)
+        return (q * cos.to(BF16) + rotate_half(q) * sin.to(BF16)) * 2
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
+        rewritten.append(len(rotary_rewrite(NEAREST)(gm, None)))  # type: ignore[arg-type]
+        engine_coverage(NEAREST)(gm, None)  # type: ignore[arg-type]
+        return compile_fx(gm, example_inputs)
+
+    torch.manual_seed(8)
+    x, w = torch.randn(2, 4, 19, 64).to(BF16), (torch.randn(64, 64) * 0.2).to(BF16)
+    angle = torch.arange(19).float()[:, None] * torch.logspace(0, -4, 32)[None]
+    cos, sin = torch.cat((angle.cos(),) * 2, -1), torch.cat((angle.sin(),) * 2, -1)
+    for table in ((cos, sin), (cos.to(BF16), sin.to(BF16))):
+        rewritten: list[int] = []
+        torch._dynamo.reset()
+        with inductor_config.patch(emulate_precision_casts=True):
+            got = torch.compile(model, backend=backend)(x, *table, w)
+        want = engine_rotary((x @ w).to(BF16), table[0].to(BF16), table[1].to(BF16), 0) * 2
+        assert rewritten == [1] and torch.equal(got, want)
+
+
+def test_the_linear_follows_the_row_plan() -> None:
     torch.manual_seed(3)
     x, w, b = torch.randn(1, 6, 64).to(BF16), (torch.randn(32, 64) * 0.1).to(BF16), torch.randn(32).to(BF16)
     batched = torch.nn.functional.linear(x, w, b)
     assert torch.equal(engine_linear(x, w, b, 0), batched)  # no plan: the batched kernel, torch's
     flags = torch.tensor([[False, True, False, False, True, False]])
-    if not _extension().cpu_has_avx512_bf16():
+    if not engine_kernels().cpu_has_avx512_bf16():
         with pytest.raises(PrecisionError, match="AVX-512 BF16"), engine_rows(flags, None):
             engine_linear(x, w, b, 0)
         return
@@ -176,7 +277,7 @@ def test_eager_math_keeps_torch_kernels_under_inductor() -> None:
         kept = torch.compile(_rms_rotary_mlp, backend=backend(True))(x, w, pos)
     assert not all(torch.equal(a, b) for a, b in zip(plain, want, strict=True))  # Inductor's own math parts somewhere
     assert all(torch.equal(a, b) for a, b in zip(kept, want, strict=True))
-    assert rewritten == [6]  # mean, rsqrt, cos, sin, silu, layer_norm; pow(x, 2) is x * x in both and stays
+    assert rewritten == [5]  # mean, cos, sin, silu, layer_norm; pow(x, 2) is x * x and rsqrt 1 / sqrt(x) in both: they stay
     xg = x.float().requires_grad_()
     torch._dynamo.reset()
     out = torch.compile(_rms_rotary_mlp, backend=backend(True))(xg, w, pos)
@@ -214,7 +315,7 @@ def test_the_rewrites_are_found_on_every_architecture_of_the_sweep(request: pyte
         try:
             for i, cap in enumerate(captured):
                 ctx = PassContext(BF16, "cpu", UnitIndex(), cap.example_inputs, names, i)
-                result = run_pipeline(copy_graph_module(cap.gm), ctx, Mode.CASTS, engine_rewrites(PORTABLE))
+                result = run_pipeline(copy_graph_module(cap.gm), ctx, Mode.CASTS, engine_rewrites(NEAREST))
                 for name, done in result.rewrites.items():
                     counts[name] = counts.get(name, 0) + len(done)
         except PrecisionError as e:
@@ -268,12 +369,12 @@ def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     from fx_precision.tools.distributed import run_on_ranks
     from tests import fsdp_workers
 
-    (under,) = [r for r in run_on_ranks(fsdp_workers.contract_training, 2, "qwen3", PORTABLE.to_dict(), 4) if r]
-    (plain,) = [r for r in run_on_ranks(fsdp_workers.contract_training, 2, "qwen3", None, 1) if r]
+    runs = [("contract_training", ("qwen3", PORTABLE.to_dict(), 4)), ("contract_training", ("qwen3", None, 1))]
+    ((under, plain),) = [r for r in run_on_ranks(fsdp_workers.in_turn, 2, runs) if r]
     # one decoder-layer graph serves every layer (the same code, compiled once); FSDP2 units break the graph between
     # layers, so the fused add + norm is kept across the break (the sum leaving one graph, taken by the next one's norm)
-    # eager math: the layer graph's 4 norms (mean, rsqrt) and silu, the final norm, the rotary table's cos and sin
-    rewrites = {"fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-eager-math": 13, "engine-coverage": 0}
+    # eager math: the layer graph's 4 norms' means and silu, the final norm's, the rotary table's cos and sin
+    rewrites = {"fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-eager-math": 8, "engine-coverage": 0}
     assert under["rewrites"] == rewrites, under
     assert under["losses"][-1] < under["losses"][0], under["losses"]
     assert set(under["master_dtypes"].values()) == {torch.float32} and set(under["grad_dtypes"].values()) == {torch.float32}

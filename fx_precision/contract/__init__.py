@@ -35,7 +35,7 @@ ROTARIES = ("kernel", "native")
 
 @dataclass(frozen=True)
 class AttentionArithmetic:
-    """One variant of the engine's CPU attention kernel (see ``contract/engine_attention.cpp``)."""
+    """One variant of the engine's CPU attention kernel (see ``contract/engine_kernels.cpp``)."""
 
     scores: str = "amx"  # "amx": bf16 dot products, then * scale | "vec": q * scale in fp32 first
     exp: str = "libm"  # "libm": glibc expf | "fast512": the AVX-512 polynomial

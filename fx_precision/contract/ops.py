@@ -1,7 +1,8 @@
 """The ops an engine contract puts into a training graph: opaque to Inductor, differentiable, meta-aware.
 
     fxp_engine::attention(q, k, v, key_lens, scale, causal, window, q_offset, variant...) -> out
-        forward   engine_attention.cpp (built at first use): the engine kernel's arithmetic, scalar
+        forward   engine_kernels.cpp (kernels.py: built at first use): the engine kernel's arithmetic in its order;
+                  with AMX, 16 query rows per tile (bitwise the one-row reference, which tests hold)
         backward  plain fp32 attention math (softmax recomputed), gradients in the inputs' dtype
     fxp_engine::rotary(x, cos, sin, rounding) -> out
         forward   x1*c - x2*s | x2*c + x1*s in fp32 from bf16 operands, one store (the engine's rounding)
@@ -18,7 +19,7 @@
     fxp_engine::eager_math(x, op, dims, keepdim, exponent) -> out
         forward   torch's eager kernel for a reduction (mean, sum) or a transcendental (exp, cos, sin,
                   silu, ...): the engine runs these eagerly, Inductor would sum and approximate otherwise
-        backward  fxp_engine::eager_math_backward: torch's autograd of the same op
+        backward  the op's derivative in plain torch ops (traced into the backward graph, fused there)
 
 All are ``torch.library`` custom ops with fake kernels, so Dynamo traces them, AOTAutograd
 differentiates them, and Inductor calls them as extern kernels: it cannot fuse their fp32 math into
@@ -29,45 +30,21 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import os
 import threading
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import torch
 
 from fx_precision.contract import AttentionArithmetic
+from fx_precision.contract.kernels import engine_kernels
 from fx_precision.errors import PrecisionError
 
-_SOURCE = Path(__file__).with_name("engine_attention.cpp")
-_BUILD_LOCK = threading.Lock()
 ROUNDING_CODE = {"nearest-even": 0, "truncate": 1}
 
 
-@functools.lru_cache(maxsize=1)
-def _extension() -> Any:
-    """Compile ``engine_attention.cpp`` once per environment (torch's extension cache keeps it)."""
-    from torch.utils import cpp_extension
-
-    with _BUILD_LOCK:
-        try:
-            return cpp_extension.load(
-                name="fxp_engine_attention_v6",
-                sources=[str(_SOURCE)],
-                extra_cflags=["-O2", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only"],
-                verbose=os.environ.get("FX_PRECISION_BUILD_VERBOSE", "") not in ("", "0"),
-            )
-        except (RuntimeError, OSError, ImportError) as exc:
-            first = str(exc).strip().splitlines()[-1] if str(exc).strip() else type(exc).__name__
-            raise PrecisionError(
-                f"building the engine-attention kernel failed ({first[:300]}); the engine contract needs a C++ compiler "
-                "(g++) and the Python headers on this machine"
-            ) from None
-
-
 def variant_codes(arith: AttentionArithmetic) -> list[int]:
-    """The kernel's integer switches for one arithmetic (see engine_attention.cpp)."""
+    """The kernel's integer switches for one arithmetic (see engine_kernels.cpp)."""
     return [
         0 if arith.scores == "amx" else 1,
         0 if arith.exp == "libm" else 1,
@@ -122,18 +99,34 @@ def engine_attention(
     allowed = allowed_mask(mask)
     if allowed is not None:
         allowed = allowed.expand(q.shape[0], allowed.shape[1], q.shape[1], k.shape[1])
-    empty = torch.empty(0, dtype=torch.bool)
-    out = _extension().forward(
-        q16, k16, v16, key_lens.cpu(), allowed if allowed is not None else empty, scale, causal, window, q_offset, *variant
-    )
+        allowed, causal = _mask_as_range(allowed, key_lens, causal, window, q_offset)
+    out = engine_kernels().attention(q16, k16, v16, key_lens, allowed, scale, causal, window, q_offset, variant)
     return out.to(out_dtype)
+
+
+def _mask_as_range(
+    allowed: torch.Tensor, key_lens: torch.Tensor, causal: bool, window: int, q_offset: int
+) -> tuple[torch.Tensor | None, bool]:
+    """(None, True) where the mask is the causal range itself (transformers hands sdpa its causal mask as a
+    tensor), (None, causal) where it blocks nothing inside the kernel's range: the same keys, and the kernel
+    reads no mask. Keys past a row's length count as blocked either way."""
+    T, S = allowed.shape[-2:]
+    pos = torch.arange(T)[:, None] + q_offset
+    keys = torch.arange(S)[None, :]
+    inside = (keys < key_lens.cpu()[:, None, None, None]) & ((keys >= pos - window) if window >= 0 else True)
+    causal_range = inside & (keys <= pos)
+    if causal:
+        return (None, True) if bool((allowed | ~causal_range).all()) else (allowed, True)
+    if torch.equal(allowed & inside, causal_range.expand_as(allowed)):
+        return None, True
+    return (None, False) if bool((allowed | ~inside).all()) else (allowed, False)
 
 
 @functools.lru_cache(maxsize=1)
 def _require_amx() -> None:
     """The amx arithmetic runs the engine's AMX instruction: this CPU must have it, and the process
     permission to use its tiles (Linux asks for it once per process)."""
-    if not _extension().cpu_has_amx():
+    if not engine_kernels().cpu_has_amx():
         raise PrecisionError(
             "the engine contract's attention is AMX (the engine ran AMX tiles), and this CPU has no AMX: run the training "
             "side where the engine ran, or probe an engine on this machine"
@@ -287,14 +280,12 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     flags = _flags(kind, out.numel() // out.shape[-1])
     if flags is None or not bool(flags.any()):
         return out
-    if not _extension().cpu_has_avx512_bf16():
+    if not engine_kernels().cpu_has_avx512_bf16():
         raise PrecisionError("the engine contract's small-batch linear is AVX-512 BF16 and this CPU has none: run where the engine ran")
     flat_x = x.reshape(-1, x.shape[-1])
     flat_out = out.reshape(-1, out.shape[-1]).clone()
     index = flags.nonzero().flatten()
-    small = _extension().small_batch_linear(
-        flat_x.index_select(0, index).contiguous(), weight.contiguous(), bias.float() if bias is not None else torch.empty(0)
-    )
+    small = engine_kernels().small_batch_linear(flat_x.index_select(0, index), weight, bias)
     flat_out.index_copy_(0, index, small.to(out.dtype))
     return flat_out.reshape(out.shape)
 
@@ -448,14 +439,14 @@ def _expand_reduced(grad: torch.Tensor, x: torch.Tensor, dims: list[int], keepdi
     return grad.expand(x.shape)
 
 
-@torch.library.custom_op("fxp_engine::eager_math_backward", mutates_args=())
-def eager_math_backward(x: torch.Tensor, grad: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponent: float) -> torch.Tensor:
-    """The gradient of ``eager_math`` at ``x``: the derivative autograd uses for the op (a custom op's
-    kernel runs below autograd, so the formulas are written out)."""
+def eager_math_gradient(x: torch.Tensor, grad: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponent: float) -> torch.Tensor:
+    """The gradient of ``eager_math`` at ``x``, in plain torch ops: AOTAutograd traces them into the backward
+    graph and Inductor fuses them there (only the forward has to be the engine's arithmetic)."""
     if op in ("mean", "sum"):
         wide = _expand_reduced(grad, x, dims, keepdim)
-        count = x.numel() // max(1, _eager(x, "sum", dims, keepdim, 1.0).numel()) if op == "mean" else 1
-        return (wide / count).to(x.dtype).contiguous()
+        if op == "mean":
+            wide = wide / (x.numel() // max(1, grad.numel()))
+        return wide.to(x.dtype)
     if op in ("gelu", "gelu_tanh"):
         return torch.ops.aten.gelu_backward(grad, x, approximate="tanh" if op == "gelu_tanh" else "none")
     if op == "silu":
@@ -474,11 +465,6 @@ def eager_math_backward(x: torch.Tensor, grad: torch.Tensor, op: str, dims: list
     return (grad * derivative()).to(x.dtype)
 
 
-@eager_math_backward.register_fake
-def _(x, grad, op, dims, keepdim, exponent):  # type: ignore[no-untyped-def]
-    return torch.empty_like(x)
-
-
 def _eager_math_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(inputs[0])
     ctx.args = inputs[1:]
@@ -486,7 +472,7 @@ def _eager_math_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -
 
 def _eager_math_grad(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     (x,) = ctx.saved_tensors
-    return torch.ops.fxp_engine.eager_math_backward(x, grad.contiguous(), *ctx.args), None, None, None, None
+    return eager_math_gradient(x, grad, *ctx.args), None, None, None, None
 
 
 eager_math.register_autograd(_eager_math_grad, setup_context=_eager_math_setup)

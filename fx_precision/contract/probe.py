@@ -259,9 +259,9 @@ def probe_linears(
     model: Any, gen: torch.Generator, weights: Any, config: Any = None, trials: int = 60
 ) -> tuple[int, tuple[tuple[int, int], ...], dict[str, Any]]:
     """(rows at or below which the engine's linears switch kernels, the weight shapes that do, evidence)."""
-    from fx_precision.contract.ops import _extension
+    from fx_precision.contract.kernels import engine_kernels
 
-    if not _extension().cpu_has_avx512_bf16():
+    if not engine_kernels().cpu_has_avx512_bf16():
         return 0, (), {"skipped": "no AVX-512 BF16 on this CPU: the engine's small-batch kernel is not built for it"}
     evidence: dict[str, Any] = {}
     shapes = []
@@ -284,7 +284,7 @@ def probe_linears(
                 if not kernel_takes:  # e.g. a router with N < 16: the engine's fp32 fallback, which no candidate here is
                     wrong["small-batch kernel"] += m
                     continue
-                small = _extension().small_batch_linear(x[:m], weight, bias.float() if bias is not None else torch.empty(0))
+                small = engine_kernels().small_batch_linear(x[:m], weight, bias)
                 wrong["small-batch kernel"] += int((small != got).any(-1).sum())
         evidence[f"{name} {tuple(weight.shape)}"] = wrong
         if wrong["small-batch kernel"] and wrong["batched kernel"]:

@@ -7,7 +7,9 @@ is covered (Llama, Qwen2/3, Mistral, Phi-3, Granite, ...)::
                    ->  x32 = a.to(fp32) + b.to(fp32)       the norm sees the unrounded sum, as vLLM's
                                                              fused_add_rms_norm; the stream keeps a + b
     rotary             (x * cos) + (cat(-x[..., h:], x[..., :h]) * sin)
-                   ->  fxp_engine.rotary(x, cos, sin)       fp32 math, one store (the engine's rounding)
+                   ->  cat(x1*c - x2*s, x2*c + x1*s) in fp32   bf16 operands (exact products), one store:
+                       .to(bf16)                            nearest-even in the graph, truncation by
+                                                             fxp_engine.rotary
     attention          scaled_dot_product_attention(q, k, v, attn_mask, scale, is_causal)
                    ->  fxp_engine.attention(...)            the engine kernel's arithmetic (contract/ops.py)
     linears            linear(x, w, b) with a weight shape the engine switches kernels for
@@ -215,6 +217,39 @@ def _rotary_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     return None
 
 
+ENGINE_MADE = "fxp_engine_made"  # node meta: a node a contract rewrite wrote (the coverage check skips it)
+
+
+def _rotation(gm: fx.GraphModule, x: fx.Node, cos: fx.Node, sin: fx.Node, rounding: int) -> tuple[fx.Node, list[fx.Node]]:
+    """The engine kernel's rotation written into the graph: ``x1*c - x2*s | x2*c + x1*s`` in fp32 from bf16
+    operands (c, s: the first halves of cos, sin), one store to bf16. Each product of two bf16 values is exact
+    in fp32, so whatever Inductor fuses or contracts into a multiply-add, the one rounding is the sum's: the
+    same bits as the engine, and Inductor keeps the rotation in the kernel around it. A truncating store is
+    the custom op (``fxp_engine.rotary``)."""
+    graph = gm.graph
+    created: list[fx.Node] = []
+
+    def call(target: object, *args: object, method: bool = False) -> fx.Node:
+        made = graph.call_method(target, args) if method else graph.call_function(target, args)  # type: ignore[arg-type]
+        created.append(made)
+        return made
+
+    c16, s16 = call("to", cos, torch.bfloat16, method=True), call("to", sin, torch.bfloat16, method=True)
+    if rounding != 0:
+        return call(torch.ops.fxp_engine.rotary.default, x, c16, s16, rounding), created
+    width = node_value(x).shape[-1]  # type: ignore[union-attr]
+    half = width // 2
+    x32, c32, s32 = (call("float", t, method=True) for t in (x, c16, s16))
+    first, second = (Ellipsis, slice(None, half)), (Ellipsis, slice(half, None))
+    x1, x2 = call(operator.getitem, x32, first), call(operator.getitem, x32, second)
+    c, s = call(operator.getitem, c32, first), call(operator.getitem, s32, first)
+    low = call(operator.sub, call(operator.mul, x1, c), call(operator.mul, x2, s))
+    high = call(operator.add, call(operator.mul, x2, c), call(operator.mul, x1, s))
+    out = graph.call_function(torch.cat, ((low, high),), {"dim": -1})
+    created.append(out)
+    return call("to", out, torch.bfloat16, method=True), created
+
+
 def engine_rotary(contract: EngineContract) -> Callable[[fx.GraphModule, PassContext], list[InsertedCast]]:
     from fx_precision.contract.ops import ROUNDING_CODE
 
@@ -233,11 +268,10 @@ def engine_rotary(contract: EngineContract) -> Callable[[fx.GraphModule, PassCon
                     f"{dtype_name(node_dtype(x))} tensor; the engine's kernel takes bf16. Run under bf16 autocast with bf16 gathers"
                 )
             with gm.graph.inserting_before(node):
-                c = gm.graph.call_method("to", (cos, torch.bfloat16))
-                s = gm.graph.call_method("to", (sin, torch.bfloat16))
-                new = gm.graph.call_function(torch.ops.fxp_engine.rotary.default, (x, c, s, rounding))
-            for created in (c, s, new):
-                _copy_meta(created, node)
+                new, created = _rotation(gm, x, cos, sin, rounding)
+            for made in created:
+                _copy_meta(made, node)
+                made.meta[ENGINE_MADE] = "rotary"
             node.replace_all_uses_with(new)
             done.append(_record(new, x, f"rotary as the engine's kernel: fp32 math, one {contract.rounding} store"))
         if done:
@@ -433,7 +467,7 @@ def engine_coverage(contract: EngineContract) -> Callable[[fx.GraphModule, PassC
             elif _is(node, {torch.conv1d, torch.nn.functional.conv1d}):
                 where = module_path(node) or "<root>"
                 left.append(f"a causal convolution (a linear-attention layer) at {where}: the engine's kernel is not followed")
-            elif contract.rotary == "kernel" and _rotation_left(node):
+            elif contract.rotary == "kernel" and ENGINE_MADE not in node.meta and _rotation_left(node):
                 left.append(
                     f"a rotary the contract does not follow (interleaved pairs, or rotated in fp32) at "
                     f"{module_path(node) or '<root>'} ({source_line(node) or node.name})"
@@ -457,12 +491,14 @@ def engine_coverage(contract: EngineContract) -> Callable[[fx.GraphModule, PassC
 # ---------------------------------------------------------------------------------------------
 
 _F = torch.nn.functional
+# rsqrt stays Inductor's: its code and torch's eager kernel both compute 1 / sqrt(x) with IEEE division and
+# square root (at::vec rsqrt, or `1 / std::sqrt` on a tail; Inductor builds with -fno-unsafe-math-optimizations),
+# so they are the same correctly rounded ops, bit for bit (a test holds this), and the norm keeps one fusion.
 _EAGER_FUNCTIONS: dict[Callable[..., object], str] = {
     torch.mean: "mean", torch.sum: "sum", torch.exp: "exp", torch.log: "log", torch.cos: "cos", torch.sin: "sin",
-    torch.tanh: "tanh", torch.sigmoid: "sigmoid", torch.rsqrt: "rsqrt", torch.erf: "erf", torch.pow: "pow",
-    _F.silu: "silu", _F.gelu: "gelu",
+    torch.tanh: "tanh", torch.sigmoid: "sigmoid", torch.erf: "erf", torch.pow: "pow", _F.silu: "silu", _F.gelu: "gelu",
 }  # fmt: skip
-_EAGER_METHODS = frozenset({"mean", "sum", "exp", "log", "cos", "sin", "tanh", "sigmoid", "rsqrt", "erf", "pow"})
+_EAGER_METHODS = frozenset({"mean", "sum", "exp", "log", "cos", "sin", "tanh", "sigmoid", "erf", "pow"})
 
 
 def _eager_math_call(node: fx.Node) -> tuple[fx.Node, str, list[int], bool, float] | None:

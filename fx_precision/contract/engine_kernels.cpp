@@ -1,0 +1,581 @@
+// The engine's CPU kernels the contract follows: attention in the engine's arithmetic and order, and its
+// small-batch linear. Plain C++ (no torch or Python headers: it builds in a second or two), built at first
+// use and loaded by contract/kernels.py, which checks every argument; tensors arrive as raw pointers.
+//
+// What vLLM's CPU attention computes for one query row against its keys (one KV tile), per variant:
+//
+//   scores    amx: s_j = (sum_d q[d] * k_j[d]) * scale   bf16 operands, exact products, fp32 adds in d order
+//             vec: s_j = sum_d (q[d] * scale) * k_j[d]   q pre-scaled in fp32; mul then add (or fused)
+//   softmax   m = max_j s_j;  e_j = exp(s_j - m)          exp: glibc expf, or the AVX-512 polynomial
+//             l: e_j summed into 16 lanes (key j in lane j % 16), the lanes reduced as the build does
+//             (avx512: halves, then halves again; avx2: lanes 0-7 and 8-15 each from 0, then added)
+//   P.V       o[d] = sum_j p_j * v_j[d], keys in order     amx: p_j rounded to bf16 (RNE), exact products
+//                                                         vec: p_j in fp32; mul then add (or fused)
+//   output    o[d] * (float)(1.0 / (double)l), stored to bf16 by rounding to nearest even, or truncating
+//
+// The amx variant runs the engine's own instruction, TDPBF16PS, on the same 32-element chunks in the
+// same order (scores: head dims 0-31, 32-63, ...; P.V: keys 0-31, 32-63, ...): how that instruction
+// sums a chunk is the hardware's, and only the hardware reproduces it bit for bit. It needs AMX (the
+// engine only picks it where AMX is) and the process's AMX permission (torch._C._cpu._init_amx()).
+// Compiled with -ffp-contract=off: every multiply and add rounds as written, fused only where asked.
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cfloat>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+namespace {
+
+// fn(begin, end) over [0, total) in `threads` contiguous ranges, on OpenMP's threads. Loaded into a
+// process that runs torch, the library binds to the libgomp torch already loaded (one soname): the same
+// worker threads as torch's own parallel loops, not a second pool competing with them.
+template <typename Fn>
+void parallel_ranges(int64_t total, int64_t threads, const Fn& fn) {
+  const int64_t n = std::max<int64_t>(1, std::min<int64_t>(threads, total));
+  const int64_t step = (total + n - 1) / n;
+#pragma omp parallel for num_threads(n) schedule(static, 1)
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t begin = i * step, end = std::min<int64_t>(total, begin + step);
+    if (begin < end) fn(begin, end);
+  }
+}
+
+enum Qk { QK_AMX = 0, QK_VEC = 1 };
+enum Exp { EXP_LIBM = 0, EXP_FAST512 = 1 };
+enum Reduce { REDUCE_AVX512 = 0, REDUCE_AVX2 = 1 };
+enum Store { STORE_RNE = 0, STORE_TRUNC = 1 };
+
+inline float bits_to_float(uint32_t b) {
+  float f;
+  std::memcpy(&f, &b, 4);
+  return f;
+}
+
+inline uint32_t float_to_bits(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, 4);
+  return b;
+}
+
+inline float ftz(float x) { return std::fabs(x) < FLT_MIN ? std::copysign(0.0f, x) : x; }
+
+inline uint16_t bf16_rne(float f) {
+  uint32_t b = float_to_bits(f);
+  if (std::isnan(f)) return static_cast<uint16_t>((b >> 16) | 0x40);
+  uint32_t lsb = (b >> 16) & 1u;
+  b += 0x7fffu + lsb;
+  return static_cast<uint16_t>(b >> 16);
+}
+
+inline uint16_t bf16_trunc(float f) { return static_cast<uint16_t>(float_to_bits(f) >> 16); }
+
+inline float bf16_value(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
+
+// The AVX-512 exp polynomial of the engine's CPU attention (range-reduced to 2^n * p(r), p of degree 5).
+inline float fast_exp512(float x) {
+  const float log2e = bits_to_float(0x3fb8aa3bu);
+  const float ln2 = bits_to_float(0x3f317218u);
+  const float lo = bits_to_float(0xc2aeac50u);
+  const float hi = bits_to_float(0x42b17218u);
+  const bool underflow = x < lo;
+  float src = std::fmin(x, hi);
+  src = std::fmax(src, lo);
+  float fx = std::fmaf(src, log2e, 0.5f);
+  fx = std::floor(fx);
+  float r = std::fmaf(-fx, ln2, src);
+  float p = std::fmaf(r, 0.00828929059f, 0.0418978221f);
+  p = std::fmaf(r, p, 0.166676521f);
+  p = std::fmaf(r, p, 0.499991506f);
+  p = std::fmaf(r, p, 0.999999701f);
+  p = std::fmaf(r, p, 1.0f);
+  int32_t n = static_cast<int32_t>(std::nearbyint(fx - 1.0f));
+  float two_n = underflow ? 0.0f : bits_to_float(static_cast<uint32_t>(n + 127) << 23);
+  return p * two_n * 2.0f;
+}
+
+inline float engine_exp(float x, int exp_kind) {
+  if (std::isinf(x) && x < 0) return 0.0f;
+  return exp_kind == EXP_FAST512 ? fast_exp512(x) : expf(x);
+}
+
+inline float reduce_lanes(const float* lane, int kind) {
+  if (kind == REDUCE_AVX2) {
+    float low = 0.0f, high = 0.0f;
+    for (int i = 0; i < 8; ++i) low += lane[i];
+    for (int i = 8; i < 16; ++i) high += lane[i];
+    return low + high;
+  }
+  float s8[8], s4[4];
+  for (int i = 0; i < 8; ++i) s8[i] = lane[i + 8] + lane[i];
+  for (int i = 0; i < 4; ++i) s4[i] = s8[i + 4] + s8[i];
+  float t0 = s4[0] + s4[2];
+  float t1 = s4[1] + s4[3];
+  return t0 + t1;
+}
+
+struct alignas(64) TileConfig {
+  uint8_t palette_id = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {0};
+  uint16_t colsb[16] = {0};
+  uint8_t rows[16] = {0};
+};
+
+// C[0..15] += a[0..31] . B, B given as 16 VNNI rows of 16 pairs (64 bytes each): one TDPBF16PS.
+// The tile intrinsics are asm statements that declare no memory: the barriers make the compiler
+// write a, B and C before the loads and read C after the store.
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_chunk(const uint16_t* a, const uint16_t* b_vnni, float* c) {
+  asm volatile("" ::: "memory");
+  _tile_loadd(0, a, 64);
+  _tile_loadd(1, b_vnni, 64);
+  _tile_loadd(2, c, 64);
+  _tile_dpbf16ps(2, 0, 1);
+  _tile_stored(2, c, 64);
+  asm volatile("" ::: "memory");
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure() {
+  TileConfig cfg{};
+  cfg.rows[0] = 1;   // A: one query row (or one row of P), 32 bf16
+  cfg.colsb[0] = 64;
+  cfg.rows[1] = 16;  // B: 16 pairs of the chunk, 16 columns each
+  cfg.colsb[1] = 64;
+  cfg.rows[2] = 1;   // C: 16 fp32
+  cfg.colsb[2] = 64;
+  // ldtilecfg through asm that reads the whole 64 bytes: the builtin let the compiler drop these stores
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_release() { _tile_release(); }
+
+// Tiles 0 (A), 1 (B), 2 (C), each 16 rows of 64 bytes: 16 query rows (or rows of P) at once. Each row of
+// C is its own row of A against B, so a row's result is the one the 1-row tile gives.
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure_rows16() {
+  TileConfig cfg{};
+  for (int t = 0; t < 3; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+// C (16 x 16 fp32, stride c_stride bytes) = sum over `chunks` of A_i . B_i from C = 0, then stored:
+// A_i at a + i * a_step (16 rows, a_stride bytes apart), B_i at b + i * 512 (VNNI).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_rows16(const uint16_t* a, int64_t a_stride, int64_t a_step,
+                                                                      const uint16_t* b, int64_t chunks, float* c, int64_t c_stride) {
+  asm volatile("" ::: "memory");
+  _tile_zero(2);
+  for (int64_t i = 0; i < chunks; ++i) {
+    _tile_loadd(0, a + i * a_step, a_stride);
+    _tile_loadd(1, b + i * 512, 64);
+    _tile_dpbf16ps(2, 0, 1);
+  }
+  _tile_stored(2, c, c_stride);
+  asm volatile("" ::: "memory");
+}
+
+// One accumulation step on tile 2 without storing (P.V keeps C in its tile across key chunks).
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_zero_c() { _tile_zero(2); }
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_step(const uint16_t* a, int64_t a_stride, const uint16_t* b) {
+  asm volatile("" ::: "memory");
+  _tile_loadd(0, a, a_stride);
+  _tile_loadd(1, b, 64);
+  _tile_dpbf16ps(2, 0, 1);
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_store_c(float* c) {
+  _tile_stored(2, c, 64);
+  asm volatile("" ::: "memory");
+}
+
+}  // namespace
+
+struct Problem {
+  const uint16_t* q;  // [B, T, H, D]
+  const uint16_t* k;  // [B, S, KVH, D]
+  const uint16_t* v;
+  uint16_t* out;      // [B, T, H, D]
+  const int64_t* key_lens;
+  const bool* mask;   // [B, mask_heads, T, S] or null
+  int64_t B, T, H, D, S, KVH, group, mask_heads;
+  float scale;
+  bool causal;
+  int64_t window, q_offset;
+  int exp_kind, reduce_kind, store_kind;
+  bool amx, flush, p_bf16, fma;
+  int64_t threads;
+};
+
+// The keys query t of (b, h) sees: first..last, less what the mask blocks inside (mrow).
+struct RowRange {
+  int64_t first, last;
+  const bool* mrow;
+  bool allowed(int64_t j) const { return j >= first && j <= last && (mrow == nullptr || mrow[j]); }
+  bool empty() const { return last < first; }
+};
+
+inline RowRange row_range(const Problem& P, int64_t b, int64_t h, int64_t t) {
+  const int64_t valid = std::min<int64_t>(P.key_lens[b], P.S);
+  const int64_t pos = P.q_offset + t;
+  RowRange r{(P.window >= 0) ? std::max<int64_t>(0, pos - P.window) : 0, P.causal ? std::min<int64_t>(pos, valid - 1) : valid - 1,
+             P.mask != nullptr ? P.mask + ((b * P.mask_heads + (P.mask_heads == 1 ? 0 : h)) * P.T + t) * P.S : nullptr};
+  if (r.mrow != nullptr) {
+    while (r.first <= r.last && !r.mrow[r.first]) ++r.first;
+    while (r.last >= r.first && !r.mrow[r.last]) --r.last;
+  }
+  return r;
+}
+
+inline void store_row(const Problem& P, uint16_t* orow, const float* acc, float l) {
+  const float inv = static_cast<float>(1.0 / static_cast<double>(l));
+  for (int64_t d = 0; d < P.D; ++d) {
+    float o = inv * acc[d];
+    orow[d] = P.store_kind == STORE_TRUNC ? bf16_trunc(o) : bf16_rne(o);
+  }
+}
+
+// One query row at a time: the reference, and the path of every variant but hardware AMX.
+void attention_rowwise(const Problem& P, bool hardware_amx) {
+  const int64_t D = P.D, S = P.S;
+  parallel_ranges(P.B * P.H, P.threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> s(S), e(S), p(S), qs(D), acc(D);
+    std::vector<uint16_t> pchunk(32), bvnni(32 * 16);
+    alignas(64) float cbuf[16];
+    if (hardware_amx) amx_configure();
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / P.H, h = bh % P.H, g = h / P.group;
+      for (int64_t t = 0; t < P.T; ++t) {
+        const RowRange range = row_range(P, b, h, t);
+        const int64_t first = range.first, last = range.last;
+        auto allowed = [&](int64_t j) { return range.allowed(j); };
+        const uint16_t* qrow = P.q + ((b * P.T + t) * P.H + h) * D;
+        uint16_t* orow = P.out + ((b * P.T + t) * P.H + h) * D;
+        if (range.empty()) {
+          for (int64_t d = 0; d < D; ++d) orow[d] = 0;
+          continue;
+        }
+        for (int64_t d = 0; d < D; ++d) qs[d] = P.amx ? bf16_value(qrow[d]) : bf16_value(qrow[d]) * P.scale;
+        float m = -std::numeric_limits<float>::infinity();
+        if (hardware_amx) {  // scores: for each 16 keys, the head dims in chunks of 32, in order
+          for (int64_t j0 = first - first % 16; j0 <= last; j0 += 16) {
+            for (int n = 0; n < 16; ++n) cbuf[n] = 0.0f;
+            for (int64_t c = 0; c < D; c += 32) {
+              for (int r = 0; r < 16; ++r)
+                for (int n = 0; n < 16; ++n) {
+                  const int64_t j = j0 + n;
+                  const bool in = allowed(j);
+                  const uint16_t* krow = P.k + ((b * S + (in ? j : first)) * P.KVH + g) * D;
+                  bvnni[(r * 16 + n) * 2] = in ? krow[c + 2 * r] : 0;
+                  bvnni[(r * 16 + n) * 2 + 1] = in ? krow[c + 2 * r + 1] : 0;
+                }
+              amx_chunk(qrow + c, bvnni.data(), cbuf);
+            }
+            for (int n = 0; n < 16; ++n) {
+              const int64_t j = j0 + n;
+              if (!allowed(j)) continue;
+              s[j] = cbuf[n] * P.scale;
+              m = std::fmax(m, s[j]);
+            }
+          }
+        }
+        for (int64_t j = first; j <= last && !hardware_amx; ++j) {
+          if (!allowed(j)) continue;
+          const uint16_t* krow = P.k + ((b * S + j) * P.KVH + g) * D;
+          float a = 0.0f;
+          for (int64_t d = 0; d < D; ++d) {
+            float kv = bf16_value(krow[d]);
+            if (P.amx) {
+              float prod = P.flush ? ftz(ftz(qs[d]) * ftz(kv)) : qs[d] * kv;
+              a = P.flush ? ftz(a + prod) : a + prod;
+            } else {
+              a = P.fma ? std::fmaf(qs[d], kv, a) : a + qs[d] * kv;
+            }
+          }
+          s[j] = P.amx ? a * P.scale : a;
+          m = std::fmax(m, s[j]);
+        }
+        float lane[16] = {0};
+        for (int64_t j = first; j <= last; ++j) {
+          if (!allowed(j)) {
+            e[j] = 0.0f;
+            p[j] = 0.0f;
+            continue;
+          }
+          e[j] = engine_exp(s[j] - m, P.exp_kind);
+          lane[j % 16] += e[j];
+          p[j] = P.p_bf16 ? bf16_value(bf16_rne(e[j])) : e[j];
+        }
+        const float l = reduce_lanes(lane, P.reduce_kind);
+        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+        if (hardware_amx) {  // P.V: for each 16 dims, the keys in chunks of 32 from a multiple of 32, in order
+          const int64_t start = first - first % 32;
+          for (int64_t d0 = 0; d0 < D; d0 += 16) {
+            for (int n = 0; n < 16; ++n) cbuf[n] = 0.0f;
+            for (int64_t j0 = start; j0 <= last; j0 += 32) {
+              for (int i = 0; i < 32; ++i) {
+                const int64_t j = j0 + i;
+                pchunk[i] = allowed(j) ? bf16_rne(e[j]) : 0;
+              }
+              for (int r = 0; r < 16; ++r)
+                for (int n = 0; n < 16; ++n)
+                  for (int w = 0; w < 2; ++w) {
+                    const int64_t j = j0 + 2 * r + w;
+                    const bool in = allowed(j);
+                    bvnni[(r * 16 + n) * 2 + w] = in ? P.v[((b * S + j) * P.KVH + g) * D + d0 + n] : 0;
+                  }
+              amx_chunk(pchunk.data(), bvnni.data(), cbuf);
+            }
+            for (int n = 0; n < 16; ++n) acc[d0 + n] = cbuf[n];
+          }
+        }
+        for (int64_t j = first; j <= last && !hardware_amx; ++j) {
+          if (!allowed(j)) continue;
+          const uint16_t* vrow = P.v + ((b * S + j) * P.KVH + g) * D;
+          const float pj = P.flush ? ftz(p[j]) : p[j];
+          for (int64_t d = 0; d < D; ++d) {
+            float vv = bf16_value(vrow[d]);
+            if (P.amx) {
+              float prod = P.flush ? ftz(pj * ftz(vv)) : pj * vv;
+              acc[d] = P.flush ? ftz(acc[d] + prod) : acc[d] + prod;
+            } else {
+              acc[d] = P.fma ? std::fmaf(pj, vv, acc[d]) : acc[d] + pj * vv;
+            }
+          }
+        }
+        store_row(P, orow, acc.data(), l);
+      }
+    }
+    if (hardware_amx) amx_release();
+  });
+}
+
+// The engine's AVX-512 exp polynomial on 16 lanes: fast_exp512, op for op.
+__attribute__((target("avx512f"))) inline __m512 fast_exp512_x16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(bits_to_float(0xc2aeac50u));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  __m512 src = _mm512_min_ps(x, _mm512_set1_ps(bits_to_float(0x42b17218u)));
+  src = _mm512_max_ps(src, lo);
+  __m512 fx = _mm512_fmadd_ps(src, _mm512_set1_ps(bits_to_float(0x3fb8aa3bu)), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(bits_to_float(0x3f317218u)), src);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
+  const __m512i n = _mm512_cvt_roundps_epi32(_mm512_sub_ps(fx, _mm512_set1_ps(1.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+  two_n = _mm512_mask_blend_ps(underflow, two_n, _mm512_setzero_ps());
+  return _mm512_mul_ps(_mm512_mul_ps(p, two_n), _mm512_set1_ps(2.0f));
+}
+
+// bf16_rne on 16 lanes (finite inputs: probabilities), denormals kept as the scalar rounding keeps them.
+__attribute__((target("avx512f"))) inline __m256i bf16_rne_x16(__m512 f) {
+  const __m512i b = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// One query row's softmax over its keys, 16 keys at a time (key j in lane j % 16, as the engine's lane
+// sum has them): the scores scaled in place, m their max, e = exp(s - m) summed per lane in key order,
+// P = e rounded to bf16 (0 off the row's keys). Returns l, the lanes reduced as the build does.
+// The lanes of keys j0..j0+15 the row sees: first..last as a run of lanes, less what its mask blocks
+// (a masked load: bytes past the run are never read).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __mmask16 row_keys16(const RowRange& r, int64_t j0) {
+  const int64_t from = std::max<int64_t>(r.first - j0, 0), to = std::min<int64_t>(r.last - j0, 15);
+  if (to < from) return 0;
+  const __mmask16 run = static_cast<__mmask16>(((1u << (to + 1)) - 1u) & ~((1u << from) - 1u));
+  if (r.mrow == nullptr) return run;
+  const __m128i bytes = _mm_maskz_loadu_epi8(run, r.mrow + j0);
+  return _mm_test_epi8_mask(bytes, bytes);
+}
+
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float softmax_row16(const Problem& P, const RowRange& r, float* srow, uint16_t* prow) {
+  const int64_t j_lo = r.first - r.first % 16;
+  auto keys = [&](int64_t j0) { return row_keys16(r, j0); };
+  const __m512 scale = _mm512_set1_ps(P.scale);
+  __m512 vmax = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int64_t j0 = j_lo; j0 <= r.last; j0 += 16) {
+    const __m512 sc = _mm512_mul_ps(_mm512_loadu_ps(srow + j0), scale);
+    _mm512_storeu_ps(srow + j0, sc);
+    vmax = _mm512_mask_max_ps(vmax, keys(j0), vmax, sc);
+  }
+  const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
+  __m512 lane = _mm512_setzero_ps();
+  alignas(64) float e[16];
+  for (int64_t j0 = j_lo; j0 <= r.last; j0 += 16) {
+    const __mmask16 in = keys(j0);
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(srow + j0), m);
+    __m512 ev;
+    if (P.exp_kind == EXP_FAST512) {
+      ev = fast_exp512_x16(x);
+    } else {
+      _mm512_store_ps(e, x);
+      for (int n = 0; n < 16; ++n) e[n] = (in >> n) & 1 ? engine_exp(e[n], P.exp_kind) : 0.0f;
+      ev = _mm512_load_ps(e);
+    }
+    ev = _mm512_maskz_mov_ps(in, ev);
+    lane = _mm512_mask_add_ps(lane, in, lane, ev);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), bf16_rne_x16(ev));
+  }
+  alignas(64) float lanes[16];
+  _mm512_store_ps(lanes, lane);
+  return reduce_lanes(lanes, P.reduce_kind);
+}
+
+// Hardware AMX, 16 query rows per tile: the same instruction on the same chunks in the same order as
+// attention_rowwise, so every row's result is the same bits (a test holds the two equal).
+//   K of (b, g) packed once: per 16 keys, per 32 head dims, the VNNI B tile;  V: per 32 keys, per 16 dims
+//   scores  C[16 rows, 16 keys] over the head-dim chunks in order; each row keeps its allowed keys
+//   P.V     C[16 rows, 16 dims] over the key chunks in order, P = 0 off a row's keys; a row's C is
+//           taken after its own last chunk (the later chunks, zeros for it, could turn a -0 into +0);
+//           the chunks before its first add zeros to C = +0, which leaves +0
+// Keys a row does not see enter the tiles with p = 0 (P.V) or are dropped (scores): each element of C
+// is its own row of A against its own column of B, so other keys and rows never touch it.
+void attention_amx_tiled(const Problem& P) {
+  const int64_t D = P.D, S = P.S, T = P.T;
+  const int64_t blocks16 = (S + 15) / 16, chunks = D / 32, S32 = (S + 31) / 32 * 32, dims16 = D / 16;
+  parallel_ranges(P.B * P.H, P.threads, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> kpack(blocks16 * chunks * 512), vpack((S32 / 32) * dims16 * 512);
+    std::vector<uint16_t> qbuf(16 * D), pbuf(16 * S32);
+    std::vector<float> sbuf(16 * blocks16 * 16), acc(16 * D);
+    alignas(64) float cbuf[16 * 16];
+    std::vector<RowRange> ranges(16);
+    amx_configure_rows16();
+    int64_t packed = -1;
+    for (int64_t bh = begin; bh < end; ++bh) {
+      const int64_t b = bh / P.H, h = bh % P.H, g = h / P.group;
+      const int64_t valid = std::min<int64_t>(P.key_lens[b], S);
+      if (packed != b * P.KVH + g) {
+        packed = b * P.KVH + g;
+        for (int64_t blk = 0; blk < blocks16; ++blk)
+          for (int64_t c = 0; c < chunks; ++c)
+            for (int r = 0; r < 16; ++r)
+              for (int n = 0; n < 16; ++n) {
+                const int64_t j = blk * 16 + n;
+                const uint16_t* krow = P.k + ((b * S + j) * P.KVH + g) * D + c * 32 + 2 * r;
+                uint16_t* dst = kpack.data() + ((blk * chunks + c) * 16 + r) * 32 + n * 2;
+                dst[0] = j < valid ? krow[0] : 0;
+                dst[1] = j < valid ? krow[1] : 0;
+              }
+        for (int64_t jc = 0; jc < S32 / 32; ++jc)
+          for (int64_t db = 0; db < dims16; ++db)
+            for (int r = 0; r < 16; ++r)
+              for (int n = 0; n < 16; ++n)
+                for (int w = 0; w < 2; ++w) {
+                  const int64_t j = jc * 32 + 2 * r + w;
+                  vpack[((jc * dims16 + db) * 16 + r) * 32 + n * 2 + w] = j < valid ? P.v[((b * S + j) * P.KVH + g) * D + db * 16 + n] : 0;
+                }
+      }
+      for (int64_t t0 = 0; t0 < T; t0 += 16) {
+        const int64_t rows = std::min<int64_t>(16, T - t0);
+        int64_t lo = S, hi = -1;
+        for (int64_t i = 0; i < 16; ++i) {
+          ranges[i] = i < rows ? row_range(P, b, h, t0 + i) : RowRange{0, -1, nullptr};
+          if (!ranges[i].empty()) {
+            lo = std::min(lo, ranges[i].first);
+            hi = std::max(hi, ranges[i].last);
+          }
+          for (int64_t d = 0; d < D; ++d) qbuf[i * D + d] = i < rows ? P.q[((b * T + t0 + i) * P.H + h) * D + d] : 0;
+        }
+        if (hi < lo) {
+          for (int64_t i = 0; i < rows; ++i)
+            for (int64_t d = 0; d < D; ++d) P.out[((b * T + t0 + i) * P.H + h) * D + d] = 0;
+          continue;
+        }
+        for (int64_t blk = lo / 16; blk <= hi / 16; ++blk)
+          amx_rows16(qbuf.data(), D * 2, 32, kpack.data() + blk * chunks * 512, chunks, sbuf.data() + blk * 16, blocks16 * 16 * 4);
+        float l[16];
+        for (int64_t i = 0; i < 16; ++i) {
+          uint16_t* prow = pbuf.data() + i * S32;
+          std::fill(prow, prow + S32, 0);
+          if (!ranges[i].empty()) l[i] = softmax_row16(P, ranges[i], sbuf.data() + i * blocks16 * 16, prow);
+        }
+        for (int64_t db = 0; db < dims16; ++db) {
+          amx_zero_c();
+          for (int64_t jc = lo / 32; jc <= hi / 32; ++jc) {
+            amx_step(pbuf.data() + jc * 32, S32 * 2, vpack.data() + (jc * dims16 + db) * 512);
+            bool taken = false;
+            for (int64_t i = 0; i < 16; ++i) {
+              if (ranges[i].empty() || ranges[i].last / 32 != jc) continue;
+              if (!taken) amx_store_c(cbuf);
+              taken = true;
+              for (int n = 0; n < 16; ++n) acc[i * D + db * 16 + n] = cbuf[i * 16 + n];
+            }
+          }
+        }
+        for (int64_t i = 0; i < rows; ++i) {
+          uint16_t* orow = P.out + ((b * T + t0 + i) * P.H + h) * D;
+          if (ranges[i].empty()) {
+            for (int64_t d = 0; d < D; ++d) orow[d] = 0;
+            continue;
+          }
+          store_row(P, orow, acc.data() + i * D, l[i]);
+        }
+      }
+    }
+    amx_release();
+  });
+}
+
+extern "C" {
+
+// q: [B, T, H, D], k, v: [B, S, KVH, D] (bf16 bits, contiguous); key_lens: [B], valid keys per row;
+// mask: [B, mask_heads, T, S] bytes (1: attend) or null. Query t of row b sits at position q_offset + t;
+// it sees keys j <= q_offset + t (causal), j >= q_offset + t - w (window w >= 0), and where the mask
+// allows. Masked keys inside the range contribute nothing, as in the engine (p = 0). Writes out
+// [B, T, H, D]. rowwise: one query row at a time (the reference the tiled path is held to).
+// The caller (contract/kernels.py) checks dtypes, shapes and contiguity.
+void fxp_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const int64_t* key_lens, const uint8_t* mask,
+                   int64_t B, int64_t T, int64_t H, int64_t D, int64_t S, int64_t KVH, int64_t mask_heads, double scale, int causal,
+                   int64_t window, int64_t q_offset, int qk_kind, int exp_kind, int reduce_kind, int p_bf16, int fma, int store_kind,
+                   int ftz_amx, int rowwise, int64_t threads) {
+  Problem P{q, k, v, out, key_lens, reinterpret_cast<const bool*>(mask),
+            B, T, H, D, S, KVH, H / KVH, mask != nullptr ? mask_heads : 1,
+            static_cast<float>(scale), causal != 0, window, q_offset,
+            exp_kind, reduce_kind, store_kind,
+            qk_kind == QK_AMX, qk_kind == QK_AMX && ftz_amx != 0, p_bf16 != 0, fma != 0, threads};
+  const bool hardware_amx = P.amx && D % 32 == 0;
+  if (hardware_amx && !rowwise) {
+    attention_amx_tiled(P);
+  } else {
+    attention_rowwise(P, hardware_amx);
+  }
+}
+
+int fxp_cpu_has_amx() { return __builtin_cpu_supports("amx-tile") && __builtin_cpu_supports("amx-bf16"); }
+
+int fxp_cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
+
+// The engine's small-batch linear (its "tinygemm": batches of at most 4 rows on AVX-512 BF16): for each
+// row and each 16 outputs, start from the bias (fp32) or 0 and accumulate the K inputs pair by pair
+// with VDPBF16PS, in order; one bf16 store (round to nearest even). x: [M, K], w: [N, K] bf16 bits;
+// bias: [N] fp32 or null; out: [M, N]. K even, N a multiple of 16 (checked by the caller).
+__attribute__((target("avx512f,avx512bf16"))) void fxp_small_batch_linear(const uint16_t* xp, const uint16_t* wp, const float* bp,
+                                                                           uint16_t* op, int64_t M, int64_t K, int64_t N) {
+  alignas(64) uint32_t packed[16];
+  for (int64_t m = 0; m < M; ++m) {
+    for (int64_t n0 = 0; n0 < N; n0 += 16) {
+      __m512 acc = bp != nullptr ? _mm512_loadu_ps(bp + n0) : _mm512_set1_ps(0.0f);
+      for (int64_t k = 0; k < K / 2; ++k) {
+        uint32_t a_pair;
+        std::memcpy(&a_pair, xp + m * K + 2 * k, 4);
+        for (int n = 0; n < 16; ++n) std::memcpy(&packed[n], wp + (n0 + n) * K + 2 * k, 4);
+        __m512i va = _mm512_set1_epi32(static_cast<int>(a_pair));
+        __m512i vb = _mm512_load_si512(packed);
+        acc = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
+      }
+      __m256i stored = (__m256i)_mm512_cvtneps_pbh(acc);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + m * N + n0), stored);
+    }
+  }
+}
+
+}  // extern "C"

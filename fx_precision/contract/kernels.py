@@ -1,0 +1,185 @@
+"""The engine's CPU kernels as a small native library: built at first use, loaded with ctypes.
+
+    engine_kernels.cpp ──g++ -O2 -shared──▶ <cache>/engine_kernels-<hash of source, flags, compiler>.so
+        fxp_attention            attention in the engine's arithmetic (AMX tiles, or the vector variants)
+        fxp_small_batch_linear   the engine's small-batch linear (AVX-512 BF16 dot products)
+        fxp_cpu_has_*            what this CPU runs
+
+The library includes no torch or Python headers, so it builds in a second or two with any C++17
+compiler (``$CXX``, else ``g++``); tensors cross as raw pointers, and every argument is checked here
+first. The cache is ``$FX_PRECISION_CACHE``, else ``~/.cache/fx_precision`` (else the temp directory);
+a build is written to a temporary name and renamed, so ranks building at once never load half a file.
+Calls release the GIL and split the work over ``torch.get_num_threads()`` OpenMP threads: the library
+binds to the libgomp torch loaded, so they are torch's own worker threads.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from fx_precision.errors import PrecisionError
+
+SOURCE = Path(__file__).with_name("engine_kernels.cpp")
+FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only")
+_BUILD_LOCK = threading.Lock()
+_P = ctypes.c_void_p
+_I64 = ctypes.c_int64
+_INT = ctypes.c_int
+
+
+def _cache_dir() -> Path:
+    configured = os.environ.get("FX_PRECISION_CACHE")
+    for candidate in ([Path(configured)] if configured else []) + [
+        Path.home() / ".cache" / "fx_precision",
+        Path(tempfile.gettempdir()) / "fx_precision",
+    ]:
+        try:
+            candidate.mkdir(parents=True, exist_ok=True)
+            if os.access(candidate, os.W_OK):
+                return candidate
+        except OSError:
+            continue
+    raise PrecisionError("the engine kernels need a writable cache directory: set FX_PRECISION_CACHE")
+
+
+def _compiler() -> str:
+    cxx = os.environ.get("CXX") or "g++"
+    if shutil.which(cxx) is None:
+        raise PrecisionError(
+            f"the engine contract's kernels are built at first use with a C++ compiler, and {cxx!r} is not on PATH: "
+            "install g++ (or set CXX)"
+        )
+    return cxx
+
+
+def build_library() -> Path:
+    """The kernels' shared library for this source, these flags and this compiler: built once, then reused."""
+    cxx = _compiler()
+    version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
+    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version)).encode()).hexdigest()[:16]
+    library = _cache_dir() / f"engine_kernels-{key}.so"
+    if library.exists():
+        return library
+    partial = library.with_name(f"{library.stem}.{os.getpid()}.{threading.get_ident()}.partial.so")
+    done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        partial.unlink(missing_ok=True)
+        errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.strip().splitlines() or ["?"]
+        raise PrecisionError(
+            f"building the engine kernels failed ({errors[0][:300]}); the engine contract needs a C++17 compiler (g++ 11 or later)"
+        )
+    os.replace(partial, library)
+    return library
+
+
+class EngineKernels:
+    """The loaded library, with tensor-level calls that check what the C side assumes."""
+
+    def __init__(self, library: Path) -> None:
+        lib = ctypes.CDLL(str(library))
+        lib.fxp_attention.argtypes = [_P] * 6 + [_I64] * 7 + [ctypes.c_double, _INT, _I64, _I64] + [_INT] * 8 + [_I64]
+        lib.fxp_attention.restype = None
+        lib.fxp_small_batch_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64]
+        lib.fxp_small_batch_linear.restype = None
+        lib.fxp_cpu_has_amx.restype = _INT
+        lib.fxp_cpu_has_avx512_bf16.restype = _INT
+        self.lib = lib
+        self.path = library
+
+    def cpu_has_amx(self) -> bool:
+        """Whether this CPU runs AMX bf16 tiles."""
+        return bool(self.lib.fxp_cpu_has_amx())
+
+    def cpu_has_avx512_bf16(self) -> bool:
+        """Whether this CPU runs AVX-512 BF16 dot products."""
+        return bool(self.lib.fxp_cpu_has_avx512_bf16())
+
+    def attention(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        key_lens: torch.Tensor,
+        mask: torch.Tensor | None,
+        scale: float,
+        causal: bool,
+        window: int,
+        q_offset: int,
+        variant: list[int],
+        *,
+        rowwise: bool = False,
+    ) -> torch.Tensor:
+        """q [B, T, H, D], k / v [B, S, KVH, D] bf16 on the CPU; key_lens [B]; mask [B, 1|H, T, S] bool or
+        None; variant: ``ops.variant_codes``. rowwise: one query row at a time (the tiled path's reference)."""
+        tensors = {"q": q, "k": k, "v": v}
+        for name, t in tensors.items():
+            if t.dtype != torch.bfloat16 or t.dim() != 4 or t.device.type != "cpu":
+                raise PrecisionError(
+                    f"engine attention: {name} must be a 4-d bf16 CPU tensor, got {tuple(t.shape)} {t.dtype} on {t.device}"
+                )
+        B, T, H, D = q.shape
+        S, KVH = k.shape[1], k.shape[2]
+        if k.shape != v.shape or k.shape[0] != B or k.shape[3] != D or KVH == 0 or H % KVH != 0:
+            raise PrecisionError(
+                f"engine attention: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} do not fit [B, T, H, D] / [B, S, KVH, D] "
+                "with H a multiple of KVH"
+            )
+        lens = key_lens.to(device="cpu", dtype=torch.int64).contiguous()
+        if lens.shape != (B,):
+            raise PrecisionError(f"engine attention: key_lens must be [B] = [{B}], got {tuple(lens.shape)}")
+        heads = 1
+        if mask is not None:
+            mask = mask.to(device="cpu", dtype=torch.bool).contiguous()
+            heads = mask.shape[1] if mask.dim() == 4 else -1
+            if mask.dim() != 4 or (mask.shape[0], mask.shape[2], mask.shape[3]) != (B, T, S) or heads not in (1, H):
+                raise PrecisionError(
+                    f"engine attention: the mask must be [B, 1 or H, T, S] = [{B}, 1|{H}, {T}, {S}], got {tuple(mask.shape)}"
+                )
+        if len(variant) != 7:
+            raise PrecisionError(f"engine attention: variant takes 7 codes (ops.variant_codes), got {variant}")
+        q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+        out = torch.empty_like(q)
+        self.lib.fxp_attention(
+            q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), mask.data_ptr() if mask is not None else None,
+            B, T, H, D, S, KVH, heads, float(scale), int(causal), int(window), int(q_offset), *(int(c) for c in variant), int(rowwise),
+            torch.get_num_threads(),
+        )  # fmt: skip
+        return out
+
+    def small_batch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T (+ bias) with the engine's small-batch kernel: bf16 in, bf16 out."""
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
+            raise PrecisionError(
+                f"small_batch_linear takes 2-d bf16 x and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}"
+            )
+        (M, K), N = x.shape, weight.shape[0]
+        if weight.shape[1] != K or K % 2 or N % 16:
+            raise PrecisionError(
+                f"small_batch_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}: K must match and be even, N a multiple of 16"
+            )
+        b32 = bias.to(torch.float32).contiguous() if bias is not None and bias.numel() else None
+        if b32 is not None and b32.shape != (N,):
+            raise PrecisionError(f"small_batch_linear: bias must be [{N}], got {tuple(b32.shape)}")
+        x, weight = x.contiguous().cpu(), weight.contiguous().cpu()
+        out = torch.empty((M, N), dtype=torch.bfloat16)
+        self.lib.fxp_small_batch_linear(
+            x.data_ptr(), weight.data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), M, K, N
+        )
+        return out
+
+
+@functools.lru_cache(maxsize=1)
+def engine_kernels() -> EngineKernels:
+    """The kernels for this process (built on first call: a second or two; then from the cache)."""
+    with _BUILD_LOCK:
+        return EngineKernels(build_library())
