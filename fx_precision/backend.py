@@ -33,7 +33,7 @@ from fx_precision.passes.analysis import copy_graph_module
 from fx_precision.passes.context import GraphRewrite, Mode, PassContext
 from fx_precision.passes.graph.annotate import param_names
 from fx_precision.passes.graph.casts import InsertedCast
-from fx_precision.passes.graph.kinds import CastKind, severity_rank
+from fx_precision.passes.graph.kinds import CastKind, ParamKind, severity_rank
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.passes.pipeline import run_pipeline
 from fx_precision.passes.repropagate import graph_device_type
@@ -204,7 +204,7 @@ class PrecisionBackend:
         """Every parameter this graph reads is in the plan: a plan of another model would emulate
         gathers, and attribute units, that belong to nothing here."""
         for fqn, kind in param_names(gm, example_inputs, None).values():
-            if kind == "parameter" and self.units.param(fqn) is None:
+            if kind is ParamKind.PARAMETER and self.units.param(fqn) is None:
                 raise PrecisionError(
                     f"precision_backend: the graph reads parameter {fqn!r}, which the backend's plan does not hold; the plan "
                     "belongs to another model. Compile the plan for this model (compile_precision / policy.plan)"

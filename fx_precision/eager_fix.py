@@ -62,7 +62,7 @@ class EagerHook:
     path: str  # out, out[0], out.last_hidden_state
     frm: torch.dtype
     to: torch.dtype
-    kind: str  # the CastKind of the backend's cast
+    kind: CastKind  # why the backend casts there
     fixes: str  # the finding (code and node) or reason it answers
     exact: bool = True  # False: the module returns a value computed after the compiled cast's subject
 
@@ -258,7 +258,7 @@ def _to_hook(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResu
     fixes = _finding_text(cast, result.findings)
     if not exact:
         fixes += f" (cast after {op_name(exits[0])}, which {module} computes from it: one rounding later than the compiled cast)"
-    return EagerHook(module, paths[0], traced, cast.to, str(cast.kind), fixes, exact), ""
+    return EagerHook(module, paths[0], traced, cast.to, CastKind(cast.kind), fixes, exact), ""
 
 
 def _inside(inner: str, outer: str) -> bool:

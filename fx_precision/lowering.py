@@ -77,10 +77,10 @@ def _lower(
     graph = ModuleGraph.of(model)
     infos = collect_params(graph)
     aliases: dict[str, ParamInfo] = {alias: info for info in infos.values() for alias in info.aliases}
-    module_paths = list(model.named_modules(remove_duplicate=False))
-    buffers = [name for name, _ in model.named_buffers(remove_duplicate=False)]
-
-    selected = [(rule, selected_aliases(rule, module_paths, aliases, buffers)) for rule in spec.rules]
+    module_paths = graph.module_paths()
+    buffers = graph.buffer_names()
+    floating = {alias for alias, info in aliases.items() if info.param.is_floating_point()}
+    selected = [(rule, selected_aliases(rule, module_paths, aliases, buffers, floating)) for rule in spec.rules]
     resolved = resolve_params(infos, selected, default_gather, default_master)
     solution = solve_units(graph, infos, resolved, default_gather=default_gather, module_paths=module_paths, wrap=wrap)
     params = {

@@ -123,6 +123,27 @@ class ModuleGraph:
             chain.append(parent)
         return chain
 
+    def module_paths(self) -> list[tuple[str, nn.Module]]:
+        """``root.named_modules(remove_duplicate=False)``, from what ``of`` recorded (no second walk)."""
+        return [(path, self.modules[key]) for path, key in self.by_path.items()]
+
+    def buffer_names(self) -> list[str]:
+        """``root.named_buffers(remove_duplicate=False)`` names, in its order."""
+        return [
+            f"{path}.{name}" if path else name
+            for path, key in self.by_path.items()
+            for name, buffer in self.modules[key]._buffers.items()
+            if buffer is not None
+        ]
+
+    def nearest(self, chosen: dict[int, object] | set[int]) -> dict[int, int]:
+        """Each module's nearest dominator in ``chosen`` (itself if chosen); the root must be chosen."""
+        out: dict[int, int] = {}
+        idom = self.idom
+        for key in reversed(self.post_order):  # dominators before what they dominate
+            out[key] = key if key in chosen else out[idom[key]]  # type: ignore[index]
+        return out
+
     def module_at(self, path: str) -> nn.Module:
         key = self.by_path.get(path)
         return self.modules[key] if key is not None else self.root.get_submodule(path)

@@ -32,6 +32,7 @@ from torch import nn
 from fx_precision.dtypes import AXIS_DTYPES, dtype_name, parse_dtype
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
+from fx_precision.text_enum import TextEnum
 
 
 @dataclass(frozen=True)
@@ -48,6 +49,15 @@ class ParamPlan:
     unit: str
 
 
+class UnitKind(TextEnum):
+    """Why a module is an FSDP2 unit."""
+
+    ROOT = "root"  # the model: everything no other unit holds, applied last
+    WRAP = "wrap"  # asked for by ``wrap=`` (one unit per layer, say)
+    PRECISION = "precision"  # needed by the spec: its parameters gather at another dtype than around it
+    GROUP = "group"  # modules sharing a tied parameter, sharded together by one ``fully_shard([m1, m2])``
+
+
 @dataclass(frozen=True)
 class UnitPlan:
     """One ``fully_shard`` call: the module at ``fqn`` with ``param_dtype=gather``.
@@ -60,7 +70,7 @@ class UnitPlan:
     """
 
     fqn: str
-    kind: str
+    kind: UnitKind
     gather: torch.dtype
     params: tuple[str, ...]
     modules: tuple[str, ...]
@@ -208,7 +218,7 @@ class PrecisionPlan:
             units = tuple(
                 UnitPlan(
                     fqn=str(u["fqn"]),
-                    kind=str(u["kind"]),
+                    kind=_unit_kind(u["kind"], f"units[{i}].kind"),
                     gather=_axis_dtype(u["gather"], f"units[{i}].gather"),
                     params=tuple(u["params"]),
                     modules=tuple(u["modules"]),
@@ -243,7 +253,14 @@ def _axis_dtype(name: Any, where: str) -> torch.dtype:
     return dtype
 
 
-UNIT_KINDS = ("root", "wrap", "precision", "group")
+UNIT_KINDS = tuple(k.value for k in UnitKind)
+
+
+def _unit_kind(name: object, where: str) -> UnitKind:
+    try:
+        return UnitKind(str(name))
+    except ValueError:
+        raise PrecisionError(f"plan JSON {where}: unknown kind {name!r}; kinds: {', '.join(UNIT_KINDS)}") from None
 
 
 def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
@@ -281,7 +298,7 @@ def check_plan_matches(plan: PrecisionPlan, model: nn.Module) -> None:
         for fqn in unit.group or (unit.fqn,):
             if fqn not in modules:
                 raise PrecisionError(f"plan unit {unit.label!r}: {module_label(fqn)!r} is not a module of this model; recompile the plan")
-    roots = [u for u in plan.units if u.kind == "root"]
+    roots = [u for u in plan.units if u.kind == UnitKind.ROOT]
     if len(roots) != 1 or roots[0].fqn != "" or plan.units[-1] is not roots[0]:
         raise PrecisionError(
             "the plan needs exactly one root unit (fqn '', applied last), or the modules outside every unit stay unsharded; "

@@ -23,7 +23,7 @@ from torch import nn
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import ParamInfo, module_label
-from fx_precision.spec import DEFAULT, AxisDtype, ParamSel, Rule
+from fx_precision.spec import DEFAULT, AxisDtype, ParamSel, Rule, glob_matcher
 
 
 def suggest(pattern: str, names: Iterable[str], n: int = 3) -> list[str]:
@@ -46,7 +46,7 @@ def _zero_hit(rule: Rule, what: str, pattern: str, names: Iterable[str], kind: s
     return PrecisionError(f"rule {rule.text()!r} selects no {what}{nearest}. Fix the glob or drop the rule.")
 
 
-@dataclass
+@dataclass(frozen=True)
 class Resolved:
     """One axis of one parameter: its dtype and the rule that decided it (None: the run default)."""
 
@@ -54,14 +54,28 @@ class Resolved:
     rule: str | None
 
 
-def _resolve_axis(rules: Sequence[tuple[Rule, set[str]]], alias: str, axis: str, default: torch.dtype) -> Resolved:
-    out = Resolved(default, None)
-    for rule, selected in rules:
-        value: AxisDtype | None = getattr(rule, axis)
-        if value is None or alias not in selected:
-            continue
-        out = Resolved(default if value is DEFAULT else value, _rule_text(rule))  # type: ignore[arg-type]
-    return out
+class _AxisTable:
+    """One axis of every alias the rules touch: the last rule (in order) that sets it wins. Resolved
+    values are shared (they are frozen), so a model's 16k parameters make a handful of objects."""
+
+    def __init__(self, rules: Sequence[tuple[Rule, set[str]]], axis: str) -> None:
+        self.hits: dict[str, tuple[AxisDtype, str]] = {}
+        for rule, selected in rules:
+            value: AxisDtype | None = getattr(rule, axis)
+            if value is None:
+                continue
+            decided = (value, _rule_text(rule))
+            for alias in selected:
+                self.hits[alias] = decided
+        self.made: dict[tuple[torch.dtype, str | None], Resolved] = {}
+
+    def resolve(self, alias: str, default: torch.dtype) -> Resolved:
+        value, rule = self.hits.get(alias, (DEFAULT, None))
+        dtype = default if value is DEFAULT else value
+        made = self.made.get((dtype, rule))  # type: ignore[arg-type]
+        if made is None:
+            made = self.made[(dtype, rule)] = Resolved(dtype, rule)  # type: ignore[arg-type]
+        return made
 
 
 @functools.lru_cache(maxsize=1024)
@@ -70,14 +84,21 @@ def _rule_text(rule: Rule) -> str:
 
 
 def selected_aliases(
-    rule: Rule, module_paths: list[tuple[str, nn.Module]], param_aliases: dict[str, ParamInfo], buffers: list[str]
+    rule: Rule,
+    module_paths: list[tuple[str, nn.Module]],
+    param_aliases: dict[str, ParamInfo],
+    buffers: list[str],
+    floating: set[str] | None = None,
 ) -> set[str]:
-    """The parameter FQNs (all aliases, floating only) a rule selects; raises on zero hits."""
+    """The parameter FQNs (all aliases, floating only: ``floating`` where the caller has them) a rule
+    selects; raises on zero hits."""
     sel = rule.select
-    floating = {a for a, info in param_aliases.items() if info.param.is_floating_point()}
+    if floating is None:
+        floating = {a for a, info in param_aliases.items() if info.param.is_floating_point()}
     if isinstance(sel, ParamSel):
-        hits = {a for a in param_aliases if sel.matches(a)}
-        buffer_hits = [b for b in buffers if sel.matches(b)]
+        glob = glob_matcher(sel.fqn)
+        hits = {a for a in param_aliases if glob(a) is not None}
+        buffer_hits = [b for b in buffers if glob(b) is not None]
         if buffer_hits and rule.gather is not None:
             raise PrecisionError(
                 f"rule {rule.text()!r} puts a gather dtype on buffer(s) {', '.join(buffer_hits[:3])}: FSDP2 gathers "
@@ -97,7 +118,8 @@ def selected_aliases(
                 "precision rules apply to floating parameters. Drop the rule."
             )
         return float_hits
-    matched = [path for path, mod in module_paths if sel.matches(path, mod)]
+    match = sel.matcher()
+    matched = [path for path, mod in module_paths if match(path, mod)]
     if not matched:
         by_fqn = [(p, m) for p, m in module_paths if sel.fqn is None or fnmatch.fnmatchcase(p, sel.fqn)]
         if not by_fqn:
@@ -129,27 +151,16 @@ def resolve_params(
 ) -> dict[int, tuple[Resolved, Resolved]]:
     """(gather, master) per floating parameter, folded per alias; tied aliases must agree."""
     resolved: dict[int, tuple[Resolved, Resolved]] = {}
-    gather_rules = [(r, hits) for r, hits in selected if r.gather is not None]  # the rules that touch each axis, once
-    master_rules = [(r, hits) for r, hits in selected if r.master is not None]
+    gather, master = _AxisTable(selected, "gather"), _AxisTable(selected, "master")
     for key, info in infos.items():
         if not info.param.is_floating_point():
             continue
         master_default = default_master or info.param.dtype
         if len(info.aliases) == 1:  # the common case: no tie, nothing to merge
             alias = info.aliases[0]
-            resolved[key] = (
-                _resolve_axis(gather_rules, alias, "gather", default_gather),
-                _resolve_axis(master_rules, alias, "master", master_default),
-            )
+            resolved[key] = (gather.resolve(alias, default_gather), master.resolve(alias, master_default))
             continue
-        per_alias = [
-            (
-                alias,
-                _resolve_axis(gather_rules, alias, "gather", default_gather),
-                _resolve_axis(master_rules, alias, "master", master_default),
-            )
-            for alias in info.aliases
-        ]
+        per_alias = [(alias, gather.resolve(alias, default_gather), master.resolve(alias, master_default)) for alias in info.aliases]
         g0 = _merge_aliases(info, [(alias, g) for alias, g, _ in per_alias], "gather")
         m0 = _merge_aliases(info, [(alias, m) for alias, _, m in per_alias], "master")
         resolved[key] = (g0, m0)

@@ -18,7 +18,9 @@ Rule text (``parse_precision_rules``) is the command-line form of the same thing
 from __future__ import annotations
 
 import fnmatch
+import functools
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Final, Union
 
@@ -49,6 +51,12 @@ DEFAULT: Final = _Default()
 AxisDtype = Union[torch.dtype, _Default]  # noqa: UP007 - a runtime alias, py3.10 has no | on classes here
 
 
+@functools.lru_cache(maxsize=1024)
+def glob_matcher(pattern: str) -> Callable[[str], re.Match[str] | None]:
+    """``fnmatch.fnmatchcase(text, pattern)`` as a compiled regex's ``match`` (not None: it matches)."""
+    return re.compile(fnmatch.translate(pattern)).match
+
+
 @dataclass(frozen=True)
 class ModuleSel:
     """Modules whose FQN matches ``fqn`` and whose class name matches ``cls`` (both globs).
@@ -64,11 +72,25 @@ class ModuleSel:
             raise PrecisionError("ModuleSel needs fqn=, cls= or both (for example ModuleSel(fqn='*embed_tokens'))")
 
     def matches(self, fqn: str, module: torch.nn.Module) -> bool:
-        if self.fqn is not None and not fnmatch.fnmatchcase(fqn, self.fqn):
-            return False
-        if self.cls is not None and not fnmatch.fnmatchcase(type(module).__name__, self.cls):
-            return False
-        return True
+        return self.matcher()(fqn, module)
+
+    def matcher(self) -> Callable[[str, torch.nn.Module], bool]:
+        """``matches`` for a walk over many modules: the globs compiled once, the class test once per class."""
+        by_path = glob_matcher(self.fqn) if self.fqn is not None else None
+        by_class = glob_matcher(self.cls) if self.cls is not None else None
+        classes: dict[type, bool] = {}
+
+        def match(fqn: str, module: torch.nn.Module) -> bool:
+            if by_path is not None and by_path(fqn) is None:
+                return False
+            if by_class is None:
+                return True
+            kind = type(module)
+            if kind not in classes:
+                classes[kind] = by_class(kind.__name__) is not None
+            return classes[kind]
+
+        return match
 
     def text(self) -> str:
         if self.fqn is not None and self.cls is not None:
@@ -85,7 +107,7 @@ class ParamSel:
     fqn: str
 
     def matches(self, fqn: str) -> bool:
-        return fnmatch.fnmatchcase(fqn, self.fqn)
+        return glob_matcher(self.fqn)(fqn) is not None
 
     def text(self) -> str:
         return f"param:{self.fqn}"

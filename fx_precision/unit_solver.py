@@ -16,7 +16,6 @@ dtype; the tree walks are single passes).
 
 from __future__ import annotations
 
-import fnmatch
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
@@ -26,8 +25,9 @@ from torch import nn
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import ModuleGraph, ParamInfo, module_label
-from fx_precision.plan import UnitPlan
+from fx_precision.plan import UnitKind, UnitPlan
 from fx_precision.selection import Resolved, suggest
+from fx_precision.spec import glob_matcher
 
 Resolution = dict[int, tuple[Resolved, Resolved]]
 
@@ -61,7 +61,8 @@ def solve_units(
         chosen = _UnitSolver(graph, direct, set(forced) | extra_forced, candidates, default_gather).units()
         order = [key for key in graph.post_order if key in chosen]
         claims = _simulate_claims(graph, order, solved)
-        fix = _check_claims(graph, infos, solved, chosen, claims)
+        nearest = graph.nearest(chosen)
+        fix = _check_claims(graph, infos, solved, chosen, claims, nearest)
         if fix is None:
             break
         if fix in extra_forced or fix in forced:  # pragma: no cover - defensive: no progress possible
@@ -69,7 +70,7 @@ def solve_units(
         extra_forced.add(fix)
 
     rules = {key: g.rule for key, (g, _) in solved.items()}
-    units = _assemble_units(graph, order, chosen, claims, infos, rules, forced, extra_forced, default_gather)
+    units = _assemble_units(graph, order, chosen, claims, infos, rules, forced, extra_forced, default_gather, nearest)
     unit_of = {key: graph.first_fqn[owner] for key, owner in claims.items()}
     unit_of.update({key: unit.fqn for key, unit in grouped.claims.items()})
     return Solution(_insert_groups(graph, units, grouped.units), unit_of)
@@ -82,12 +83,32 @@ class _Choice:
     tiebreak: tuple[int, ...]
 
 
-class _UnitSolver:
-    """Fewest precision units over the dominator tree (a DP over node x enclosing dtype).
+@dataclass(frozen=True)
+class _Shape:
+    """What the DP sees of a dominator subtree; subtrees of one shape (the N layers of a model) are solved once."""
 
-    ``solve(m, d)`` = fewest precision units in m's dominator subtree when m's nearest enclosing
-    unit gathers at ``d``. Forced units (root, ``wrap``) cost nothing; on a tie a unit higher up
-    beats units further down, so a subtree that needs one other dtype becomes one unit.
+    own: frozenset[torch.dtype]  # gather dtypes of the parameters homed at the node
+    forced: bool  # the root or a wrap unit
+    is_root: bool
+    kids: tuple[tuple[int, int], ...]  # (shape of a dominator child, how many children have it), sorted
+    subtree: frozenset[torch.dtype]  # gather dtypes anywhere in the subtree
+    forced_below: bool  # a forced unit strictly inside the subtree
+
+    @property
+    def free(self) -> frozenset[torch.dtype] | None:
+        """The subtree's dtypes where it needs no unit of its own (None: it holds a forced unit)."""
+        return None if self.forced or self.forced_below else self.subtree
+
+
+class _UnitSolver:
+    """Fewest precision units over the dominator tree (a DP over subtree shape x enclosing dtype).
+
+    ``solve(s, d)`` = fewest precision units in a dominator subtree of shape ``s`` when its nearest
+    enclosing unit gathers at ``d``. Forced units (root, ``wrap``) cost nothing; on a tie a unit higher
+    up beats units further down, so a subtree that needs one other dtype becomes one unit. Subtrees are
+    hash-consed into shapes bottom-up (own dtypes, forced, children's shapes with counts): a model's
+    repeated layers are one shape, so the DP's work follows the distinct shapes, and only the final walk
+    (``units``) visits every module.
     """
 
     def __init__(
@@ -99,21 +120,36 @@ class _UnitSolver:
         default_gather: torch.dtype,
     ) -> None:
         self.graph = graph
-        self.direct = direct
-        self.forced = forced
         self.candidates = candidates
         self.default_gather = default_gather
         self.memo: dict[tuple[int, torch.dtype], _Choice] = {}
-        self.has_params: dict[int, bool] = {}
-        self.subtree: dict[int, frozenset[torch.dtype]] = {}  # gather dtypes in the dominator subtree
-        self.forced_below: dict[int, bool] = {}  # a forced unit strictly inside the subtree
-        self.free: dict[int, frozenset[torch.dtype] | None] = {}  # the subtree's dtypes where it needs no unit of its own
+        self.shapes: list[_Shape] = []
+        self.shape_of: dict[int, int] = {}  # module key -> shape index
+        interned: dict[tuple[object, ...], int] = {}
+        root = id(graph.root)
+        no_dtypes: frozenset[torch.dtype] = frozenset()
         for key in self._dom_post_order():
-            kids = graph.dom_children[key]
-            self.has_params[key] = bool(direct.get(key)) or any(self.has_params[c] for c in kids)
-            self.subtree[key] = frozenset(direct.get(key, ())).union(*(self.subtree[c] for c in kids))
-            self.forced_below[key] = any(c in forced or self.forced_below[c] for c in kids)
-            self.free[key] = None if key in forced or self.forced_below[key] else self.subtree[key]
+            counts: dict[int, int] = {}
+            for kid in graph.dom_children[key]:
+                shape = self.shape_of[kid]
+                counts[shape] = counts.get(shape, 0) + 1
+            own = frozenset(direct[key]) if key in direct else no_dtypes
+            signature = (own, key in forced, key == root, tuple(sorted(counts.items())))
+            index = interned.get(signature)
+            if index is None:
+                index = interned[signature] = len(self.shapes)
+                kid_shapes = [self.shapes[k] for k in counts]
+                self.shapes.append(
+                    _Shape(
+                        own=own,
+                        forced=key in forced,
+                        is_root=key == root,
+                        kids=signature[3],
+                        subtree=own.union(*(k.subtree for k in kid_shapes)),
+                        forced_below=any(k.forced or k.forced_below for k in kid_shapes),
+                    )
+                )
+            self.shape_of[key] = index
 
     def _dom_post_order(self) -> list[int]:
         out: list[int] = []
@@ -128,40 +164,39 @@ class _UnitSolver:
                 stack.append((kid, False))
         return out
 
-    def _children_cost(self, key: int, d: torch.dtype) -> int:
+    def _children_cost(self, shape: _Shape, d: torch.dtype) -> int:
+        """Fewest units in the subtrees of the dominator children under a unit at ``d``."""
         cost = 0
-        free = self.free
-        for kid in self.graph.dom_children[key]:
-            needs = free[kid]
+        for kid, count in shape.kids:
+            needs = self.shapes[kid].free
             if needs is not None and (not needs or (len(needs) == 1 and d in needs)):
                 continue  # solve(kid, d) would cost 0 (its first case), without the call
-            cost += self.solve(kid, d).cost
+            cost += count * self.solve(kid, d).cost
         return cost
 
-    def solve(self, key: int, d: torch.dtype) -> _Choice:
-        memo_key = (key, d)
+    def solve(self, index: int, d: torch.dtype) -> _Choice:
+        memo_key = (index, d)
         if memo_key in self.memo:
             return self.memo[memo_key]
-        if key not in self.forced and not self.forced_below[key] and self.subtree[key] <= {d}:
+        shape = self.shapes[index]
+        if not shape.forced and not shape.forced_below and shape.subtree <= {d}:
             choice = _Choice(0, None, (0,))  # nothing below needs another dtype or a unit: no unit, no cost
             self.memo[memo_key] = choice
             return choice
-        own = self.direct.get(key, set())
+        own = shape.own
         options: list[_Choice] = []
-        is_root = key == id(self.graph.root)
-        if key not in self.forced and own <= {d}:
-            options.append(_Choice(self._children_cost(key, d), None, (1,)))
+        if not shape.forced and own <= {d}:
+            options.append(_Choice(self._children_cost(shape, d), None, (1,)))
         # a unit at a dtype nothing below needs (and not d) never beats one at d: each subtree costs the same
         # under two dtypes it does not need, so those options are skipped, not weighed
-        below = self.subtree[key]
-        if is_root:
+        if shape.is_root:
             dtypes = [self.default_gather]
         else:
-            dtypes = sorted(own, key=str) if own else [e for e in self.candidates if e == d or e in below]
+            dtypes = sorted(own, key=str) if own else [e for e in self.candidates if e == d or e in shape.subtree]
         for e in dtypes:
-            unit_cost = 0 if key in self.forced else 1
+            unit_cost = 0 if shape.forced else 1
             prefer = (0, 0 if e == d else 1, 0 if e == self.default_gather else 1, self.candidates.index(e))
-            options.append(_Choice(unit_cost + self._children_cost(key, e), e, prefer))
+            options.append(_Choice(unit_cost + self._children_cost(shape, e), e, prefer))
         best = min(options, key=lambda c: (c.cost, c.tiebreak))
         self.memo[memo_key] = best
         return best
@@ -169,16 +204,18 @@ class _UnitSolver:
     def units(self) -> dict[int, torch.dtype]:
         """Walk the chosen decisions from the root: ``{module key: unit gather dtype}``."""
         chosen: dict[int, torch.dtype] = {}
+        shape_of, shapes, dom_children = self.shape_of, self.shapes, self.graph.dom_children
         stack = [(id(self.graph.root), self.default_gather)]
         while stack:
             key, d = stack.pop()
-            choice = self.solve(key, d)
+            choice = self.solve(shape_of[key], d)
             inner = d
             if choice.unit_dtype is not None:
                 chosen[key] = choice.unit_dtype
                 inner = choice.unit_dtype
-            for kid in self.graph.dom_children[key]:
-                if kid in self.forced or self.forced_below[kid] or not self.subtree[kid] <= {inner}:
+            for kid in dom_children[key]:
+                shape = shapes[shape_of[kid]]
+                if shape.forced or shape.forced_below or not shape.subtree <= {inner}:
                     stack.append((kid, inner))
         return chosen
 
@@ -253,7 +290,7 @@ def _group_units(
         )
         unit = UnitPlan(
             fqn=members[0],
-            kind="group",
+            kind=UnitKind.GROUP,
             gather=g.dtype,
             params=params,
             modules=tuple(members),
@@ -275,7 +312,7 @@ def _insert_groups(graph: ModuleGraph, units: list[UnitPlan], groups: list[tuple
         members = set(unit.group)
         for member in members:
             for other in out:
-                if other.kind != "group" and other.fqn == member:
+                if other.kind is not UnitKind.GROUP and other.fqn == member:
                     raise PrecisionError(
                         f"module {member!r} is both a unit of its own ({other.reason}) and part of the tied group {unit.label}; "
                         "drop it from wrap= or untie the weights"
@@ -285,8 +322,8 @@ def _insert_groups(graph: ModuleGraph, units: list[UnitPlan], groups: list[tuple
         def contains(u: UnitPlan, paths: list[str] = holder_paths) -> bool:
             return any(u.fqn == "" or p == u.fqn or p.startswith(u.fqn + ".") for p in paths)
 
-        at = next(i for i, u in enumerate(out) if u.kind != "group" and contains(u))
-        out = [u if u.kind == "group" else replace(u, modules=tuple(m for m in u.modules if m not in members)) for u in out]
+        at = next(i for i, u in enumerate(out) if u.kind is not UnitKind.GROUP and contains(u))
+        out = [u if u.kind is UnitKind.GROUP else replace(u, modules=tuple(m for m in u.modules if m not in members)) for u in out]
         out.insert(at, unit)
     return out
 
@@ -297,7 +334,8 @@ def _forced_units(graph: ModuleGraph, module_paths: list[tuple[str, nn.Module]],
         raise PrecisionError(f"wrap={wrap!r} is a string; pass a list of globs, e.g. wrap=[{wrap!r}]")
     forced: dict[int, str] = {id(graph.root): "root"}
     for glob in wrap:
-        hits = {path for path, _ in module_paths if path and fnmatch.fnmatchcase(path, glob)}
+        match = glob_matcher(glob)
+        hits = {path for path, _ in module_paths if path and match(path) is not None}
         if not hits:
             hint = suggest(glob, (p for p, _ in module_paths if p))
             raise PrecisionError(f"wrap glob {glob!r} matches no module{'; nearest: ' + ', '.join(hint) if hint else ''}")
@@ -318,27 +356,25 @@ def _assemble_units(
     forced: dict[int, str],
     extra_forced: set[int],
     default_gather: torch.dtype,
+    nearest_unit: dict[int, int],
 ) -> list[UnitPlan]:
-    nearest_unit: dict[int, int] = {}
     members: dict[int, list[str]] = {k: [] for k in chosen}
     for key in reversed(graph.post_order):  # dominators before what they dominate
-        parent = graph.idom[key]
-        nearest_unit[key] = key if key in chosen else nearest_unit[parent]  # type: ignore[index]
         members[nearest_unit[key]].append(graph.first_fqn[key])
     unit_params: dict[int, list[int]] = {k: [] for k in chosen}
     for key, owner in claims.items():
         unit_params[owner].append(key)
     units = []
     for key in order:
-        kind = "root" if key == id(graph.root) else ("wrap" if key in forced else "precision")
-        if kind == "root":
+        kind = UnitKind.ROOT if key == id(graph.root) else (UnitKind.WRAP if key in forced else UnitKind.PRECISION)
+        if kind is UnitKind.ROOT:
             reason = f"default_gather={dtype_name(default_gather)}"
         elif key in extra_forced:
             reason = "shared module (several parents)"
         else:
             deciding = sorted({rules[p] or "default" for p in unit_params[key]})
             reason = ", ".join(deciding) if deciding else "(no parameters)"
-            if kind == "wrap":
+            if kind is UnitKind.WRAP:
                 reason = f"{forced[key]}; {reason}"
         units.append(
             UnitPlan(
@@ -380,6 +416,7 @@ def _check_claims(
     resolved: dict[int, tuple[Resolved, Resolved]],
     chosen: dict[int, torch.dtype],
     claims: dict[int, int],
+    nearest: dict[int, int],
 ) -> int | None:
     """Simulate FSDP2's claim-by-reachability; return a shared module to force as a unit, if any.
 
@@ -389,7 +426,7 @@ def _check_claims(
     """
     for key, owner in claims.items():
         info = infos[key]
-        expected = next(a for a in graph.dom_ancestors(info.home) if a in chosen)
+        expected = nearest[info.home]
         if owner == expected:
             continue
         if len(info.holders) > 1:

@@ -10,9 +10,18 @@ the end counts both.
 from __future__ import annotations
 
 import importlib.util
+import os
 import sys
 
 import pytest
+
+# Under pytest-xdist (`-n 2`) each worker takes its share of the cores: torch's threads, its spawned ranks'
+# (OMP_NUM_THREADS is inherited) and Inductor's compile workers (one in-process compile, no worker pool to
+# start). Set before torch is imported, so every layer reads it.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 _COUNTS: dict[str, int] = {}
 ENGINE = importlib.util.find_spec("vllm") is not None
@@ -51,6 +60,17 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in needing:
             item.add_marker(skip)
     _COUNTS.update(total=len(items), needing=len(needing), missing=int(missing))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    workeroutput = getattr(session.config, "workeroutput", None)  # a pytest-xdist worker: hand the counts to the controller
+    if workeroutput is not None:
+        workeroutput["fx_precision_counts"] = dict(_COUNTS)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    _COUNTS.update(getattr(node, "workeroutput", {}).get("fx_precision_counts", {}))  # every worker collects every test
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

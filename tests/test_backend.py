@@ -296,8 +296,8 @@ def test_per_block_compile_inside_fsdp2_inserts_no_gather_casts_and_reports_boun
     from fx_precision.tools.distributed import run_on_ranks
     from tests import fsdp_workers
 
-    for cast_forward_inputs in (False, True):
-        (result,) = [r for r in run_on_ranks(fsdp_workers.per_block_compile, 2, cast_forward_inputs) if r]
+    ((without, with_),) = [r for r in run_on_ranks(fsdp_workers.in_turn, 2, [("per_block_compile", (c,)) for c in (False, True)]) if r]
+    for cast_forward_inputs, result in ((False, without), (True, with_)):
         assert result["logits_dtype"] == BF16
         assert set(result["grad_dtypes"].values()) == {torch.float32}
         reports = result["reports"]

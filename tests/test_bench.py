@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import torch
 
 from fx_precision.tools.kernel_census import parse_wrapper
+from tests.cli import run_cli
 
 SAMPLE = """
 cpp_fused_0 = async_compile.cpp_pybinding(['const int64_t*', 'const float*', 'float*', 'at::BFloat16*'], r'''
@@ -47,8 +50,7 @@ def test_bench_cli_on_the_hand_written_decoder(tmp_path: object) -> None:
     finds it by role (``*embed_tokens`` would select nothing)."""
     out = f"{tmp_path}/bench.json"
     model = "tests.lint_models:TokEmbeddingsDecoder"
-    args = ["bench", "--quick", "--model", model, "--batch", "2", "--seq-len", "8", "--steps", "1", "--json", out]
-    result = subprocess.run([sys.executable, "-m", "fx_precision", *args], capture_output=True, text=True, timeout=900)
+    result = run_cli("bench", "--quick", "--model", model, "--batch", "2", "--seq-len", "8", "--steps", "1", "--json", out)
     assert result.returncode == 0, result.stderr[-3000:]
     data = json.load(open(out))
     rows = {r["variant"]: r for r in data["variants"]}
@@ -81,3 +83,12 @@ def test_bench_cli_on_the_hand_written_decoder(tmp_path: object) -> None:
     assert rows["per-block backend + eager fix"]["kernels"]["kernels_touching_fp32_activations"] == 0
     gathered = [c for c in rows["precision_backend + plan"]["casts"] if c["kind"] == "gather-emulation"]
     assert [c["of"] for c in gathered] == ["tok_embeddings.weight"]
+
+
+def test_the_entry_points_run_the_command_line() -> None:
+    """``python -m fx_precision`` and the ``fx-precision`` script are the CLI (every other test calls ``main`` in process)."""
+    script = shutil.which("fx-precision") or str(Path(sys.executable).with_name("fx-precision"))
+    for command in ([sys.executable, "-m", "fx_precision"], [script]):
+        done = subprocess.run([*command, "--help"], capture_output=True, text=True, timeout=300)
+        assert done.returncode == 0, done.stderr[-2000:]
+        assert all(verb in done.stdout for verb in ("demo", "plan", "lint", "bench", "compare", "rollout"))

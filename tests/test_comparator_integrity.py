@@ -23,6 +23,7 @@ from fx_precision.compare import compare
 from fx_precision.dump import DumpRecorder, dump, load_dump
 from fx_precision.errors import PrecisionError
 from fx_precision.tools.cli import main
+from fx_precision.tools.distributed import free_port
 
 
 class TinyLM(nn.Module):
@@ -344,7 +345,21 @@ def test_under_torchrun_every_rank_writes_its_own_directory(tmp_path: Path) -> N
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     out = tmp_path / "ranks"
     launched = subprocess.run(
-        [torchrun, "--nproc-per-node", "2", "-m", "fx_precision", "dump", "--model", "toy-decoder", "--out", str(out), "--json"],
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "fx_precision",
+            "dump",
+            "--model",
+            "toy-decoder",
+            "--out",
+            str(out),
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

@@ -122,8 +122,8 @@ def test_per_block_compile_under_fsdp2_gets_the_whole_model_stream_with_the_hook
     from fx_precision.tools.distributed import run_on_ranks
     from tests import fsdp_workers
 
-    (plain,) = [r for r in run_on_ranks(fsdp_workers.per_block_eager_fix, 2, arch_name, False) if r]
-    (fixed,) = [r for r in run_on_ranks(fsdp_workers.per_block_eager_fix, 2, arch_name, True) if r]
+    runs = [("per_block_eager_fix", (arch_name, False)), ("per_block_eager_fix", (arch_name, True))]
+    ((plain, fixed),) = [r for r in run_on_ranks(fsdp_workers.in_turn, 2, runs) if r]
     # as-is, every block graph receives the eager embedding's fp32 residual stream, and says where it came from
     assert all(n > 0 for n in plain["block_fp32_stream"])
     assert plain["wide_inputs"] and all("made outside this graph" in m and "eager_casts" in m for m in plain["wide_inputs"])

@@ -148,8 +148,8 @@ def test_hsdp_on_a_2x2_mesh_gathers_as_planned_and_matches_the_1d_run() -> None:
     """4 gloo ranks as 2 replicas x 2 shards: per-module gather dtypes as planned, fp32 masters and
     gradients, and the gradients of the 1-D run over the same 4 ranks and data."""
     rules = "*embed_tokens=bf16"
-    (hsdp,) = [r for r in run_on_ranks(fsdp_workers.train_step, 4, "toy-decoder", rules, None, None, (2, 2)) if r]
-    (flat,) = [r for r in run_on_ranks(fsdp_workers.train_step, 4, "toy-decoder", rules, None, None) if r]
+    runs = [("train_step", ("toy-decoder", rules, None, None, (2, 2))), ("train_step", ("toy-decoder", rules, None, None))]
+    ((hsdp, flat),) = [r for r in run_on_ranks(fsdp_workers.in_turn, 4, runs) if r]
     _check_seen_matches_plan(hsdp)
     assert hsdp["seen"]["model.embed_tokens"]["weight"] == torch.bfloat16
     _check_master_and_grads_fp32(hsdp)

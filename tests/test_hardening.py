@@ -16,6 +16,7 @@ from torch import nn
 
 import fx_precision as fxp
 from fx_precision.plan import PrecisionPlan
+from fx_precision.tools.distributed import free_port
 from fx_precision.tools.toy_decoder import ToyDecoder
 from tests import lint_models as lm
 from tests.cli import run_cli
@@ -262,7 +263,19 @@ def test_torchrun_census_prints_rank_0_with_the_1_rank_counts() -> None:
     torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
     launched = subprocess.run(
-        [torchrun, "--nproc-per-node", "2", "-m", "fx_precision", "census", "--model", "qwen3_5-tiny", "--json"],
+        [
+            torchrun,
+            "--nproc-per-node",
+            "2",
+            "--master-port",
+            str(free_port()),
+            "-m",
+            "fx_precision",
+            "census",
+            "--model",
+            "qwen3_5-tiny",
+            "--json",
+        ],
         capture_output=True,
         text=True,
         timeout=600,

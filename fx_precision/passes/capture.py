@@ -24,6 +24,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from fx_precision.errors import PrecisionError
+from fx_precision.passes.graph.kinds import ParamKind
 
 
 @dataclass
@@ -32,13 +33,13 @@ class Captured:
     example_inputs: list[Any]
 
 
-def tensor_names(model: nn.Module) -> dict[int, tuple[str, str]]:
+def tensor_names(model: nn.Module) -> dict[int, tuple[str, ParamKind]]:
     """``id(tensor) -> (fqn, "parameter" | "buffer")`` for every parameter and buffer."""
-    names: dict[int, tuple[str, str]] = {}
+    names: dict[int, tuple[str, ParamKind]] = {}
     for fqn, p in model.named_parameters(remove_duplicate=False):
-        names.setdefault(id(p), (fqn, "parameter"))
+        names.setdefault(id(p), (fqn, ParamKind.PARAMETER))
     for fqn, b in model.named_buffers(remove_duplicate=False):
-        names.setdefault(id(b), (fqn, "buffer"))
+        names.setdefault(id(b), (fqn, ParamKind.BUFFER))
     return names
 
 
@@ -72,7 +73,7 @@ def _fake_weights(model: nn.Module, fake_mode: FakeTensorMode, device_type: str)
 
 def capture_graphs(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, dynamic: bool, device_type: str, autocast: Any
-) -> tuple[list[Captured], dict[int, tuple[str, str]]]:
+) -> tuple[list[Captured], dict[int, tuple[str, ParamKind]]]:
     """Run ``model(*args, **kwargs)`` once under Dynamo and keep every graph it hands a backend.
 
     Resets Dynamo's caches first (so the lint sees a fresh trace; compiled functions recompile on

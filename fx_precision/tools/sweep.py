@@ -22,6 +22,7 @@ traced or compiled is listed with the reason, never dropped.
 from __future__ import annotations
 
 import contextlib
+import threading
 import time
 import traceback
 from collections import Counter
@@ -265,13 +266,25 @@ def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
 def run_sweep(names: list[str] | None = None, *, census: bool = True, record: Recorder | None = None) -> list[dict[str, Any]]:
     """Rows for ``names`` (default: every architecture of ``arch_zoo``), in zoo order."""
     specs = [arch(n) for n in names] if names else list(ARCHS)
-    rows = [sweep_arch(spec, record=record) for spec in specs]
-    if census:
+    census_run: dict[str, Any] = {}
+    if census:  # its gloo rank is a process of its own: it runs while this one sweeps
         from fx_precision.tools.distributed import run_on_ranks
 
-        (per_arch,) = run_on_ranks(census_rows, 1, [s.name for s in specs])
+        def run_census() -> None:
+            try:
+                (census_run["rows"],) = run_on_ranks(census_rows, 1, [s.name for s in specs])
+            except BaseException as exc:  # re-raised below, in the caller's thread
+                census_run["error"] = exc
+
+        waiting = threading.Thread(target=run_census, name="sweep-census", daemon=True)
+        waiting.start()
+    rows = [sweep_arch(spec, record=record) for spec in specs]
+    if census:
+        waiting.join()
+        if "error" in census_run:
+            raise census_run["error"]
         for row in rows:
-            row["census"] = per_arch[row["arch"]]
+            row["census"] = census_run["rows"][row["arch"]]
     return rows
 
 

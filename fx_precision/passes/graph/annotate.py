@@ -37,7 +37,7 @@ from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
 from fx_precision.module_graph import module_label
-from fx_precision.passes.graph.kinds import NodeKind
+from fx_precision.passes.graph.kinds import FindingKind, NodeKind, ParamKind
 from fx_precision.passes.graph.nodes import (
     is_cast,
     is_custom_op,
@@ -52,9 +52,6 @@ from fx_precision.passes.graph.nodes import (
 )
 from fx_precision.passes.graph.units import UnitIndex
 
-UNCOVERED = "uncovered-op"
-PROMOTION = "weight-promotion"
-
 
 @dataclass
 class NodeInfo:
@@ -62,9 +59,9 @@ class NodeInfo:
     dtype: torch.dtype | None
     module: str
     kind: NodeKind
-    source_kind: str | None = None  # uncovered-op | weight-promotion (kind == "source")
+    source_kind: FindingKind | None = None  # UNCOVERED | PROMOTION (kind is SOURCE)
     param: str | None = None  # FQN of the parameter / buffer behind a placeholder
-    param_kind: str | None = None  # "parameter" | "buffer"
+    param_kind: ParamKind | None = None
     origin: frozenset[str] = frozenset()  # names of the source/intentional/input nodes behind a wide value
     wide_parent: fx.Node | None = None
     wide: bool = False
@@ -130,9 +127,9 @@ def is_wide(dtype: torch.dtype | None, compute: torch.dtype | None) -> bool:
 
 
 def param_names(
-    gm: fx.GraphModule, example_inputs: list[object] | None, known: dict[int, tuple[str, str]] | None
-) -> dict[fx.Node, tuple[str, str]]:
-    """Placeholder -> (FQN, "parameter"|"buffer"): by object identity where known, else by name.
+    gm: fx.GraphModule, example_inputs: list[object] | None, known: dict[int, tuple[str, ParamKind]] | None
+) -> dict[fx.Node, tuple[str, ParamKind]]:
+    """Placeholder -> (FQN, ParamKind): by object identity where known, else by name.
 
     ``known``: ``id(tensor) -> (fqn, kind)`` for the model's parameters and buffers (lint has the
     model); the backend has only the graph, so it falls back to Dynamo's placeholder names and,
@@ -145,7 +142,7 @@ def param_names(
         if isinstance(text, str):
             fqn = normalise_source(text)
             case[fqn.lower()] = fqn
-    out: dict[fx.Node, tuple[str, str]] = {}
+    out: dict[fx.Node, tuple[str, ParamKind]] = {}
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
     for i, node in enumerate(placeholders):
         if known and example_inputs is not None and i < len(example_inputs) and id(example_inputs[i]) in known:
@@ -218,7 +215,7 @@ def annotate(
         narrow_float_acts = [
             n for n in tensor_inputs if not ann.info[n].kind.is_static and (node_dtype(n) or torch.int64).is_floating_point
         ]
-        info.source_kind = PROMOTION if narrow_float_acts else UNCOVERED
+        info.source_kind = FindingKind.PROMOTION if narrow_float_acts else FindingKind.UNCOVERED
         info.wide_parent = wide_static[0]
         info.origin = frozenset({node.name})
 

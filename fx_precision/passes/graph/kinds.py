@@ -1,25 +1,21 @@
 """The vocabularies of the analysis: what a node is, how bad a finding is, why a cast was inserted.
 
-Each is a ``str`` enum: it compares equal to, formats as and serialises to its value
+Each is a ``TextEnum``: it compares equal to, formats as and serialises to its value
 (``Severity.ERROR == "error"``), so reports, JSON and ``--fail-on error`` read as before.
 
-    NodeKind   weight | constant | input | compute | intentional | source | propagation | other
-    Severity   info < warn < error
-    CastKind   gather-emulation | source-output | source-operand | dtype-following | covered-narrowing | engine-contract
+    NodeKind     weight | constant | input | compute | intentional | source | propagation | other
+    Severity     info < warn < error
+    FindingKind  uncovered-op | weight-promotion (sources) | explicit-upcast | wide-input | round-trip-cast
+                 | plan-mismatch | wide-gather
+    CastKind     gather-emulation | source-output | source-operand | dtype-following | covered-narrowing | engine-contract
+    ParamKind    parameter | buffer (what a lifted placeholder holds)
 """
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Iterable
 
-
-class _TextEnum(str, enum.Enum):
-    def __str__(self) -> str:
-        return str(self.value)
-
-    def __format__(self, spec: str) -> str:
-        return format(str(self.value), spec)
+from fx_precision.text_enum import TextEnum as _TextEnum
 
 
 class NodeKind(_TextEnum):
@@ -71,3 +67,26 @@ class CastKind(_TextEnum):
     RETARGET = "dtype-following"  # a traced cast / factory dtype that followed a narrowed value
     COVERED = "covered-narrowing"  # a wide tensor only autocast-covered ops use, at its producer
     ENGINE = "engine-contract"  # an op rewritten to compute what the rollout engine computes
+
+
+class FindingKind(_TextEnum):
+    """What a lint finding is (its FXP code in ``rules/findings.CODES``)."""
+
+    UNCOVERED = "uncovered-op"  # source: an op autocast does not cover ran on a wide input
+    PROMOTION = "weight-promotion"  # source: an elementwise op of a wide weight and a compute activation
+    EXPLICIT_UPCAST = "explicit-upcast"
+    WIDE_INPUT = "wide-input"
+    ROUND_TRIP = "round-trip-cast"
+    PLAN_MISMATCH = "plan-mismatch"
+    WIDE_GATHER = "wide-gather"
+
+    @property
+    def is_source(self) -> bool:
+        return self in (FindingKind.UNCOVERED, FindingKind.PROMOTION)
+
+
+class ParamKind(_TextEnum):
+    """What a lifted placeholder holds."""
+
+    PARAMETER = "parameter"
+    BUFFER = "buffer"

@@ -14,6 +14,8 @@ from typing import Any, NamedTuple
 import torch
 from torch import fx
 
+from fx_precision.passes.graph.kinds import ParamKind
+
 VIEW_METHODS = frozenset(
     {"view", "reshape", "t", "transpose", "permute", "expand", "contiguous", "unsqueeze", "squeeze", "flatten", "view_as", "expand_as"}
 )
@@ -106,12 +108,12 @@ def op_name(node: fx.Node) -> str:
 _PARAM_MARK = re.compile(r"_(parameters|buffers)_")
 
 
-def placeholder_attr(node: fx.Node) -> tuple[str, str] | None:
+def placeholder_attr(node: fx.Node) -> tuple[ParamKind, str] | None:
     """(``parameter`` | ``buffer``, lower-cased FQN key) of a lifted parameter/buffer placeholder."""
     match = _PARAM_MARK.search(node.name)
     if node.op != "placeholder" or match is None:
         return None
-    kind = "parameter" if match.group(1) == "parameters" else "buffer"
+    kind = ParamKind.PARAMETER if match.group(1) == "parameters" else ParamKind.BUFFER
     body = node.name.removeprefix("l_").rstrip("_")
     body = re.sub(r"^(self|args_\d+|fn|mod|model|kwargs_\w+?)_(?=modules_|parameters_|buffers_)", "", body)
     body = re.sub(r"(?:^|_)(modules|parameters|buffers)_", ".", body).lstrip(".")

@@ -15,7 +15,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.module_graph import module_label
 from fx_precision.passes.graph.annotate import GraphAnnotation, NodeInfo
 from fx_precision.passes.graph.casts import InsertedCast
-from fx_precision.passes.graph.kinds import NodeKind
+from fx_precision.passes.graph.kinds import NodeKind, ParamKind
 from fx_precision.passes.graph.nodes import redirect_through_cast
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.plan import ParamPlan
@@ -28,7 +28,7 @@ def emulate_gathers(ann: GraphAnnotation, units: UnitIndex) -> tuple[list[Insert
     casts: list[InsertedCast] = []
     mismatches: list[tuple[NodeInfo, ParamPlan]] = []
     for node, info in list(ann.info.items()):
-        if info.kind is not NodeKind.WEIGHT or info.param_kind != "parameter" or info.param is None or info.dtype is None:
+        if info.kind is not NodeKind.WEIGHT or info.param_kind is not ParamKind.PARAMETER or info.param is None or info.dtype is None:
             continue
         planned = units.param(info.param)
         if planned is None or info.dtype == planned.gather:

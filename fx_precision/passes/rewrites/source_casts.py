@@ -21,9 +21,9 @@ from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
 from fx_precision.module_graph import module_label
-from fx_precision.passes.graph.annotate import PROMOTION, GraphAnnotation, NodeInfo
+from fx_precision.passes.graph.annotate import GraphAnnotation, NodeInfo
 from fx_precision.passes.graph.casts import InsertedCast
-from fx_precision.passes.graph.kinds import CastKind
+from fx_precision.passes.graph.kinds import CastKind, FindingKind
 from fx_precision.passes.graph.nodes import cast_for_one_use, is_cast, is_view, node_dtype, node_value, redirect_through_cast
 from fx_precision.passes.rules.findings import Finding
 
@@ -46,7 +46,7 @@ def _crossing_operand(ann: GraphAnnotation, info: NodeInfo) -> tuple[fx.Node, fx
     """(operand, its user) for a promotion whose wide weight-derived operand another module produced:
     walks back through same-module views and dtype-keeping casts (``x.to(device)``)."""
     operand, user = info.wide_parent, info.node
-    if info.source_kind != PROMOTION or operand is None:
+    if info.source_kind is not FindingKind.PROMOTION or operand is None:
         return None
     while (
         (is_view(operand) or is_cast(operand))

@@ -26,20 +26,20 @@ from torch import fx
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.module_graph import module_label
-from fx_precision.passes.graph.annotate import PROMOTION, UNCOVERED, GraphAnnotation, NodeInfo, autocast_covered_uses, is_wide
-from fx_precision.passes.graph.kinds import NodeKind, Severity
+from fx_precision.passes.graph.annotate import GraphAnnotation, NodeInfo, autocast_covered_uses, is_wide
+from fx_precision.passes.graph.kinds import FindingKind, NodeKind, ParamKind, Severity
 from fx_precision.passes.graph.nodes import is_cast, node_dtype, node_value, op_name, source_line
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.plan import ParamPlan
 
 CODES = {
-    UNCOVERED: "FXP001",
-    PROMOTION: "FXP002",
-    "explicit-upcast": "FXP101",
-    "wide-input": "FXP102",
-    "round-trip-cast": "FXP201",
-    "plan-mismatch": "FXP202",
-    "wide-gather": "FXP203",
+    FindingKind.UNCOVERED: "FXP001",
+    FindingKind.PROMOTION: "FXP002",
+    FindingKind.EXPLICIT_UPCAST: "FXP101",
+    FindingKind.WIDE_INPUT: "FXP102",
+    FindingKind.ROUND_TRIP: "FXP201",
+    FindingKind.PLAN_MISMATCH: "FXP202",
+    FindingKind.WIDE_GATHER: "FXP203",
 }
 
 
@@ -47,7 +47,7 @@ CODES = {
 class Finding:
     code: str
     severity: Severity
-    kind: str
+    kind: FindingKind
     module: str
     unit: str | None
     node: str
@@ -63,7 +63,7 @@ class Finding:
 
     @property
     def is_source(self) -> bool:
-        return self.kind in (UNCOVERED, PROMOTION)
+        return self.kind.is_source
 
     @property
     def masked(self) -> bool:
@@ -145,7 +145,7 @@ def graph_findings(
                 continue  # contained: the program narrows it again before any module boundary
             weight = ann.info[info.wide_parent] if info.wide_parent is not None else None
             wname = (weight.param if weight and weight.param else weight.name if weight else "a weight") or "a weight"
-            if info.source_kind == UNCOVERED:
+            if info.source_kind is FindingKind.UNCOVERED:
                 message = (
                     f"{op_name(info.node)} is not autocast-covered; it reads {wname} at {dtype_name(weight.dtype if weight else None)} "
                     f"and emits {dtype_name(info.dtype)} into a {dtype_name(compute)} stream"
@@ -160,9 +160,9 @@ def graph_findings(
                 fix = f"cast the weight or the result to {dtype_name(compute)}, or gather it at {dtype_name(compute)}"
             out.append(
                 Finding(
-                    code=CODES[info.source_kind or UNCOVERED],
+                    code=CODES[info.source_kind or FindingKind.UNCOVERED],
                     severity=Severity.ERROR,
-                    kind=info.source_kind or UNCOVERED,
+                    kind=info.source_kind or FindingKind.UNCOVERED,
                     module=info.module,
                     unit=info.unit,
                     node=info.name,
@@ -180,9 +180,9 @@ def graph_findings(
             if stream:
                 out.append(
                     Finding(
-                        code=CODES["explicit-upcast"],
+                        code=CODES[FindingKind.EXPLICIT_UPCAST],
                         severity=Severity.WARN,
-                        kind="explicit-upcast",
+                        kind=FindingKind.EXPLICIT_UPCAST,
                         module=info.module,
                         unit=info.unit,
                         node=info.name,
@@ -202,9 +202,9 @@ def graph_findings(
             leaks = [s for s in stream if s.node is not info.node]
             out.append(
                 Finding(
-                    code=CODES["wide-input"],
+                    code=CODES[FindingKind.WIDE_INPUT],
                     severity=Severity.WARN if leaks else Severity.INFO,
-                    kind="wide-input",
+                    kind=FindingKind.WIDE_INPUT,
                     module=info.module,
                     unit=info.unit,
                     node=info.name,
@@ -247,9 +247,9 @@ def _plan_mismatches(mismatches: list[tuple[NodeInfo, ParamPlan]], graph_index: 
             )
         out.append(
             Finding(
-                code=CODES["plan-mismatch"],
+                code=CODES[FindingKind.PLAN_MISMATCH],
                 severity=Severity.WARN,
-                kind="plan-mismatch",
+                kind=FindingKind.PLAN_MISMATCH,
                 module=first.module,
                 unit=first.unit,
                 node=first.name,
@@ -287,9 +287,9 @@ def _round_trips(ann: GraphAnnotation, graph_index: int) -> list[Finding]:
         chain = (ann.info[start].describe(), ann.info[middle].describe(), info.describe())
         out.append(
             Finding(
-                code=CODES["round-trip-cast"],
+                code=CODES[FindingKind.ROUND_TRIP],
                 severity=Severity.INFO,
-                kind="round-trip-cast",
+                kind=FindingKind.ROUND_TRIP,
                 module=info.module,
                 unit=info.unit,
                 node=info.name,
@@ -309,7 +309,7 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
         return []
     per_unit: dict[str, list[tuple[NodeInfo, bool | None]]] = {}
     for node, info in ann.info.items():
-        if info.kind is NodeKind.WEIGHT and info.param_kind == "parameter" and info.unit is not None:
+        if info.kind is NodeKind.WEIGHT and info.param_kind is ParamKind.PARAMETER and info.unit is not None:
             uses = autocast_covered_uses(ann, node)
             per_unit.setdefault(info.unit, []).append((info, None if uses == [] else uses is not None))
     out = []
@@ -325,9 +325,9 @@ def _wide_gathers(ann: GraphAnnotation, units: UnitIndex, graph_index: int) -> l
         saved = sum(int(_numel(w)) * (w.dtype.itemsize - compute.itemsize) for w, _ in used if w.dtype is not None)
         out.append(
             Finding(
-                code=CODES["wide-gather"],
+                code=CODES[FindingKind.WIDE_GATHER],
                 severity=Severity.INFO,
-                kind="wide-gather",
+                kind=FindingKind.WIDE_GATHER,
                 module=unit,
                 unit=unit,
                 node=used[0][0].name,
