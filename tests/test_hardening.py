@@ -119,6 +119,15 @@ def test_only_fp32_bf16_fp16_are_precision_dtypes(args: tuple[str, ...]) -> None
     assert "fp32" in out.stderr and "bf16" in out.stderr, out.stderr[-500:]
 
 
+def test_dtype_flags_take_any_name_and_parse_before_any_work() -> None:
+    """Parsed by argparse (dtype_arg): ``bfloat16`` is ``bf16``; a bad name is an argument error naming the flag."""
+    out = run_cli("plan", "--model", "tests.model_trees:Net", "--gather", "bfloat16", "--master", "float32", "--json")
+    assert out.returncode == 0, out.stderr[-500:]
+    data = json.loads(out.stdout)
+    assert (data["default_gather"], data["default_master"]) == ("bf16", "fp32")
+    one_line_error(run_cli("census", "--model", "toy-decoder", "--compute", "fp8e4m3"), "argument --compute", "--compute=fp8e4m3")
+
+
 def test_rules_and_policies_reject_float8_and_float64() -> None:
     for dtype in (torch.float8_e4m3fn, torch.float64, torch.int64):
         with pytest.raises(fxp.PrecisionError, match="not a precision dtype"):

@@ -66,6 +66,23 @@ def bounded_int(name: str, low: int, high: int | Callable[[], int], why: str = "
     return parse
 
 
+def dtype_arg(flag: str, *, compute: bool = False, none: bool = False) -> Callable[[str], str | None]:
+    """An argparse type: a precision dtype by any of its names, given back canonical (``bfloat16`` -> ``bf16``), or an
+    error naming the flag and the dtypes the axis takes; with ``none``, ``none`` means no dtype (None)."""
+
+    def parse(text: str) -> str | None:
+        from fx_precision.dtypes import AXIS_DTYPES, COMPUTE_DTYPES, axis_dtype, dtype_name
+
+        if none and text.strip().lower() in ("none", ""):
+            return None
+        try:
+            return dtype_name(axis_dtype(text, flag, COMPUTE_DTYPES if compute else AXIS_DTYPES))
+        except PrecisionError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+
+    return parse
+
+
 def _max_ranks() -> int:
     """Gloo ranks this machine can hold: one per core, and about 1 GiB of memory each."""
     cores = os.cpu_count() or 1
@@ -154,9 +171,11 @@ def cmd_plan(args: argparse.Namespace) -> int:
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--gather", default="fp32", help="default gather dtype (FSDP2 param_dtype)")
-    p.add_argument("--compute", default="bf16", help="autocast dtype, or 'none' for no autocast")
-    p.add_argument("--master", default="fp32", help="master dtype ('none': keep as loaded)")
+    p.add_argument("--gather", type=dtype_arg("--gather"), default="fp32", help="default gather dtype (FSDP2 param_dtype)")
+    p.add_argument(
+        "--compute", type=dtype_arg("--compute", compute=True, none=True), default="bf16", help="autocast dtype, or 'none' for no autocast"
+    )
+    p.add_argument("--master", type=dtype_arg("--master", none=True), default="fp32", help="master dtype ('none': keep as loaded)")
     p.add_argument(
         "--cast-forward-inputs",
         choices=["on", "off", "auto"],
@@ -190,21 +209,14 @@ def _add_batch_args(p: argparse.ArgumentParser) -> None:
 
 
 def _census_config(args: argparse.Namespace) -> CensusConfig:
-    from fx_precision.dtypes import COMPUTE_DTYPES, axis_dtype
     from fx_precision.tools.census_driver import CensusConfig
 
-    none = {"none", "None", ""}
-    axis_dtype(args.gather, "--gather")
-    if args.master not in none:
-        axis_dtype(args.master, "--master")
-    if args.compute not in none:
-        axis_dtype(args.compute, "--compute", COMPUTE_DTYPES)
-    return CensusConfig(
+    return CensusConfig(  # the dtypes are canonical names already (dtype_arg), or None
         label="census",
         model=args.model,
         gather=args.gather,
-        compute=None if args.compute in none else args.compute,
-        master=None if args.master in none else args.master,
+        compute=args.compute,
+        master=args.master,
         rules=args.rules,
         arch_rules=args.arch_rules,
         cast_forward_inputs={"on": True, "off": False, "auto": None}[args.cast_forward_inputs],
@@ -590,8 +602,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("plan", help="lower precision rules onto a model: per-parameter dtypes and FSDP2 wrap units")
     _add_model_args(p)
-    p.add_argument("--gather", default="fp32", help="default gather dtype (FSDP2 param_dtype): fp32, bf16, fp16")
-    p.add_argument("--master", default=None, help="default master dtype (default: each parameter's own dtype)")
+    p.add_argument(
+        "--gather", type=dtype_arg("--gather"), default="fp32", help="default gather dtype (FSDP2 param_dtype): fp32, bf16, fp16"
+    )
+    p.add_argument("--master", type=dtype_arg("--master"), default=None, help="default master dtype (default: each parameter's own dtype)")
     p.set_defaults(handler=cmd_plan)
 
     p = sub.add_parser("census", help="eager module-IO dtype inventory of one forward under FSDP2 on N gloo ranks")
