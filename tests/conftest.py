@@ -52,7 +52,13 @@ def _transformers_missing(config: pytest.Config) -> bool:
     return bool(config.getoption("--without-transformers")) or importlib.util.find_spec("transformers") is None
 
 
+# The longest file (its module fixture sweeps one architecture per family) runs first: under
+# `-n auto --dist loadfile` a worker takes it at the start instead of the others waiting on it at the end.
+FIRST = ("test_sweep.py",)
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    items.sort(key=lambda item: item.path.name not in FIRST)  # stable: the order within each group is kept
     missing = _transformers_missing(config)
     skip = pytest.mark.skip(reason="needs transformers: pip install -e '.[dev]'")
     needing = [item for item in items if "needs_transformers" in item.keywords]

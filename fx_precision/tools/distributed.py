@@ -49,8 +49,28 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def _worker(rank: int, world_size: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+# Ranks start from a fork server that has imported these once: a rank is a fork of it (a fraction of a
+# second), not a fresh interpreter importing torch and transformers (seconds each). The server is
+# single-threaded when it forks (imports start no thread pool), and a rank takes the parent's
+# environment as of the call (_worker), so it sees what a spawned rank would.
+_PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "fx_precision", "fx_precision.fsdp",
+            "fx_precision.census", "fx_precision.backend", "fx_precision.tools.zoo", "fx_precision.tools.distributed")  # fmt: skip
+
+
+def _start_method() -> str:
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.set_forkserver_preload(list(_PRELOAD))  # read when the server starts (the first call); a module that is absent is skipped
+    return "forkserver"
+
+
+def _worker(
+    rank: int, world_size: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(environ)  # the caller's environment now, not the fork server's from its start
+    share = max(1, (os.cpu_count() or 1) // world_size)
+    torch.set_num_threads(min(share, int(environ["OMP_NUM_THREADS"])) if environ.get("OMP_NUM_THREADS", "").isdigit() else share)
     dist.init_process_group(process_group_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     path = os.path.join(outdir, f"{rank}.pkl")
     try:
@@ -96,7 +116,9 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
         raise PrecisionError(f"world size {world_size} must be at least 1")
     with tempfile.TemporaryDirectory() as outdir:
         try:
-            mp.start_processes(_worker, args=(world_size, free_port(), outdir, fn, args), nprocs=world_size, start_method="spawn")
+            mp.start_processes(
+                _worker, args=(world_size, free_port(), outdir, fn, args, dict(os.environ)), nprocs=world_size, start_method=_start_method()
+            )
         except mp.ProcessExitedException:
             pass  # the pickled per-rank results below say what went wrong
         outcomes: dict[int, tuple[str, Any]] = {}
