@@ -258,7 +258,7 @@ def _to_hook(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResu
     fixes = _finding_text(cast, result.findings)
     if not exact:
         fixes += f" (cast after {op_name(exits[0])}, which {module} computes from it: one rounding later than the compiled cast)"
-    return EagerHook(module, paths[0], traced, cast.to, CastKind(cast.kind), fixes, exact), ""
+    return EagerHook(module, paths[0], traced, cast.to, cast.kind, fixes, exact), ""
 
 
 def _inside(inner: str, outer: str) -> bool:

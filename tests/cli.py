@@ -12,10 +12,14 @@ from __future__ import annotations
 import contextlib
 import io
 import os
+import shutil
 import subprocess
+import sys
 import traceback
+from pathlib import Path
 
 from fx_precision.tools.cli import main
+from fx_precision.tools.distributed import free_port
 
 
 def run_cli(*args: str, cwd: str | os.PathLike[str] | None = None, timeout: int | None = None) -> subprocess.CompletedProcess[str]:
@@ -36,3 +40,10 @@ def run_cli(*args: str, cwd: str | os.PathLike[str] | None = None, timeout: int 
             traceback.print_exc(file=err)
             code = 1
     return subprocess.CompletedProcess(["fx-precision", *args], int(code or 0), out.getvalue(), err.getvalue())
+
+
+def run_torchrun(ranks: int, *args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    """``torchrun --nproc-per-node RANKS -m fx_precision ARGS`` on a free port (parallel test workers never share 29500)."""
+    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
+    command = [torchrun, "--nproc-per-node", str(ranks), "--master-port", str(free_port()), "-m", "fx_precision", *args]
+    return subprocess.run(command, capture_output=True, text=True, timeout=600, env=env)

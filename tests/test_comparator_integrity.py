@@ -23,7 +23,7 @@ from fx_precision.compare import compare
 from fx_precision.dump import DumpRecorder, dump, load_dump
 from fx_precision.errors import PrecisionError
 from fx_precision.tools.cli import main
-from fx_precision.tools.distributed import free_port
+from tests.cli import run_torchrun
 
 
 class TinyLM(nn.Module):
@@ -342,28 +342,8 @@ def test_a_forward_that_raises_inside_a_layer_is_one_line(tmp_path: Path, capsys
 
 
 def test_under_torchrun_every_rank_writes_its_own_directory(tmp_path: Path) -> None:
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     out = tmp_path / "ranks"
-    launched = subprocess.run(
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "fx_precision",
-            "dump",
-            "--model",
-            "toy-decoder",
-            "--out",
-            str(out),
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
+    launched = run_torchrun(2, "dump", "--model", "toy-decoder", "--out", str(out), "--json")
     assert launched.returncode == 0, launched.stderr[-3000:]
     assert json.loads(launched.stdout)["ranks"] == 2  # printed once, by rank 0, with the launcher's rank count
     ranks = load_dump(out)

@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
@@ -16,10 +14,9 @@ from torch import nn
 
 import fx_precision as fxp
 from fx_precision.plan import PrecisionPlan
-from fx_precision.tools.distributed import free_port
 from fx_precision.tools.toy_decoder import ToyDecoder
 from tests import lint_models as lm
-from tests.cli import run_cli
+from tests.cli import run_cli, run_torchrun
 from tests.model_trees import Net
 
 CONFIGS = Path(__file__).parent / "configs"
@@ -269,27 +266,8 @@ def test_wrap_help_says_what_the_default_is() -> None:
 # reach ---------------------------------------------------------------------------------------------
 @pytest.mark.needs_transformers
 def test_torchrun_census_prints_rank_0_with_the_1_rank_counts() -> None:
-    torchrun = shutil.which("torchrun") or str(Path(sys.executable).with_name("torchrun"))
     env = {**os.environ, "TRANSFORMERS_VERBOSITY": "error"}
-    launched = subprocess.run(
-        [
-            torchrun,
-            "--nproc-per-node",
-            "2",
-            "--master-port",
-            str(free_port()),
-            "-m",
-            "fx_precision",
-            "census",
-            "--model",
-            "qwen3_5-tiny",
-            "--json",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    launched = run_torchrun(2, "census", "--model", "qwen3_5-tiny", "--json", env=env)
     assert launched.returncode == 0, launched.stderr[-3000:]
     two = json.loads(launched.stdout)  # one JSON document: rank 1 printed nothing
     one = json.loads(run_cli("census", "--model", "qwen3_5-tiny", "--json").stdout)

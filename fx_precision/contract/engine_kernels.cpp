@@ -179,7 +179,7 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void amx_rows16(const uint16
   asm volatile("" ::: "memory");
 }
 
-// One accumulation step on tile 2 without storing (P.V keeps C in its tile across key chunks).
+// P.V keeps C in tile 2 across key chunks: zero it, add one chunk's A . B at a time, store it when a row is done.
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_zero_c() { _tile_zero(2); }
 
 __attribute__((target("amx-tile,amx-bf16"))) inline void amx_step(const uint16_t* a, int64_t a_stride, const uint16_t* b) {
