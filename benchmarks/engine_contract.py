@@ -1,24 +1,27 @@
 """The engine contract, measured against a live vLLM: as-is vs contract, and what the contract costs.
 
-    for each architecture (a tiny seeded checkpoint, the same file on both sides):
+    tiny architectures (--archs; a seeded checkpoint, the same file on both sides)
     ├── rollout     in the engine environment, on 1 and on 2 OpenMP threads: 4 prompts (7, 40, 150, 301
     │               tokens; the last spans three KV blocks of 128), 8 sampled tokens each
-    ├── compare     the training side on the engine's token ids, per row of the matrix:
-    │               as-is (fp32 gather, bf16 autocast) eager | contract eager (the pass with aot_eager)
-    │               | contract compiled (Inductor) | contract on FSDP2, 2 gloo ranks, eager and compiled;
-    │               prompt and generated tokens bitwise, max / mean |delta|, first origin and op
+    └── compare     as-is (fp32 gather, bf16 autocast) eager | contract eager (the pass with aot_eager)
+                    | contract compiled (Inductor) | contract on FSDP2, 2 gloo ranks, eager and compiled
+    published shapes (--shapes; tests/configs/NAME with --layers decoder layers, random weights)
+    ├── rollout     on each --threads (split-KV off): prompts of 11, 97, 300 and 513 tokens, 16 sampled each
+    └── compare     as-is | contract eager, on the machine's threads and on 1 | compiled | FSDP2 x2
+    step (--step NAME: a published shape)
     └── step time   fwd+bwd of a compiled training step (precision_backend, Inductor, bf16 gather and
-                    compute), with the contract's rewrites and without: median of --steps, as a ratio
+                    compute) on a rollout's batch (prompts 256 + 256 sampled tokens: 2 x 512), with the
+                    contract's rewrites on the dump's row plan and without: median of --steps, as a ratio
 
-Run (from the main environment; the engine environment from ``python -m fx_precision.tools.engine_env``):
+Every row reports prompt and generated tokens bitwise, max / mean |delta|, first origin and op. Run (from the
+main environment; the engine environment from ``python -m fx_precision.tools.engine_env``):
 
     python benchmarks/engine_contract.py --engine-python .venv-engine/bin/python \\
-        [--archs qwen3,llama,...] [--threads 1,2] [--full qwen3,llama] [--json FILE]
+        [--archs qwen3,llama,...] [--full qwen3,llama] [--shapes qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b]
+        [--step qwen3-0.6b] [--threads 1,2] [--json FILE]
 
-``--full`` names the architectures that get every row (FSDP2, 2 threads); the others get as-is,
-contract eager and contract compiled on 1 thread. Step times want a quiet machine: ``--steps 0`` skips
-them, ``--step-time-only`` measures only them. Prints what it measured in this run as a table,
-and JSON with the machine, the versions and the command.
+Step times want a quiet machine. Prints what it measured in this run as a table, and JSON with the
+machine, the versions and the command.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import argparse
 import contextlib
 import io
 import json
+import os
 import platform
 import statistics
 import subprocess
@@ -39,16 +43,18 @@ from typing import Any
 import torch
 from tabulate import tabulate
 
-from fx_precision.tools.checkpoint import write_tiny_checkpoint
+from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
 from fx_precision.tools.cli import main as cli
 
 PROMPT_LENS = "7,40,150,301"
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "configs"  # published configs (every dimension as released)
 
 
-def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_tokens: int, split_kv: str = "default") -> dict[str, Any]:
-    command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--model", str(checkpoint), "--prompt-lens", PROMPT_LENS,
-               "--max-tokens", str(max_tokens), "--threads", str(threads), "--split-kv", split_kv, "--modules", "--out", str(out),
-               "--overwrite", "--json"]  # fmt: skip
+def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_tokens: int, split_kv: str = "default",
+            prompt_lens: str = PROMPT_LENS, modules: bool = True) -> dict[str, Any]:  # fmt: skip
+    command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--model", str(checkpoint), "--prompt-lens", prompt_lens,
+               "--max-tokens", str(max_tokens), "--threads", str(threads), "--split-kv", split_kv, *(["--modules"] if modules else []),
+               "--out", str(out), "--overwrite", "--json"]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -57,14 +63,26 @@ def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_t
     return {"seconds": round(time.perf_counter() - started, 1), "contract": data["contract"], "engine": data["engine"]}
 
 
-def compare(checkpoint: Path, dump: Path, *extra: str) -> dict[str, Any]:
+def compare(checkpoint: Path, dump: Path, *extra: str, threads: int | None = None) -> dict[str, Any]:
+    """``fx-precision compare`` in this process (``threads``: the training side's torch threads for the call)."""
     buffer = io.StringIO()
     started = time.perf_counter()
+    before = torch.get_num_threads()
+    environ = os.environ.get("OMP_NUM_THREADS")
+    if threads is not None:  # in process, and for the ranks it spawns
+        torch.set_num_threads(threads)
+        os.environ["OMP_NUM_THREADS"] = str(threads)
     with contextlib.redirect_stdout(buffer):
         try:
             rc = cli(["compare", "--model", str(checkpoint), "--rollout", str(dump), "--json", *extra])
         except SystemExit as exc:
             rc = exc.code
+        finally:
+            torch.set_num_threads(before)
+            if environ is None:
+                os.environ.pop("OMP_NUM_THREADS", None)
+            else:
+                os.environ["OMP_NUM_THREADS"] = environ
     seconds = time.perf_counter() - started
     try:
         report = json.loads(buffer.getvalue())
@@ -91,27 +109,38 @@ def compare(checkpoint: Path, dump: Path, *extra: str) -> dict[str, Any]:
     }
 
 
-def step_times(checkpoint: Path, contract: dict[str, Any] | None, steps: int, batch: int, seq_len: int) -> dict[str, float]:
-    """Median fwd+bwd seconds of a compiled training step, without and with the contract's rewrites."""
+def step_times(checkpoint: Path, dump_dir: Path | None, steps: int) -> dict[str, Any]:
+    """Median fwd+bwd seconds of a compiled training step on the engine dump's sequences (one batch), without and
+    with the contract's rewrites: the contract's step computes every row in the order of the engine call that
+    computed it (the dump's row plan), as an RL trainer's recompute does."""
     import fx_precision as fxp
     from fx_precision.backend import make_precision_backend
-    from fx_precision.contract import EngineContract
+    from fx_precision.contract import contract_of_dump
+    from fx_precision.contract.batch_rows import EngineRows, engine_rows, row_plans
+    from fx_precision.dump import load_dump
     from fx_precision.tools.checkpoint import load_checkpoint
 
-    out = {}
-    for name, kept in (("plain", None), ("contract", EngineContract.from_dict(contract) if contract else None)):
-        if name == "contract" and kept is None:
-            continue
+    dump = load_dump(str(dump_dir)) if dump_dir is not None else None
+    if dump is None or isinstance(dump, dict):
+        return {"error": "no engine dump for the step"}
+    contract = contract_of_dump(dump)
+    length = min(len(s.tokens) for s in dump.sequences)
+    ids = torch.tensor([list(s.tokens[:length]) for s in dump.sequences])
+    plans = row_plans(dump.sequences, dump.engine or {})
+    rows = EngineRows.of([type(p)(p.body[:length], p.logits[: length - 1]) for p in plans], contract.linears)
+    out: dict[str, Any] = {"batch": list(ids.shape)}
+    for name, kept in (("plain", None), ("contract", contract)):
         torch.manual_seed(0)
+        torch._dynamo.reset()
         model = load_checkpoint(str(checkpoint), dtype=torch.float32).train()
         policy = fxp.PrecisionPolicy(gather=torch.bfloat16, compute=torch.bfloat16, cast_forward_inputs=False, contract=kept)
         backend = make_precision_backend(policy=policy, plan=policy.plan(model), inner="inductor")
         compiled = torch.compile(model, backend=backend, dynamic=False)
-        ids = torch.randint(0, int(model.config.vocab_size), (batch, seq_len), generator=torch.Generator().manual_seed(1))
         times = []
         for i in range(steps + 2):  # two warm-up steps: compilation, then the first run of the compiled code
             started = time.perf_counter()
-            with policy.forward_context("cpu"):
+            plan = engine_rows(rows) if kept is not None else contextlib.nullcontext()
+            with policy.forward_context("cpu"), plan:
                 logits = compiled(input_ids=ids, use_cache=False).logits
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
@@ -119,8 +148,7 @@ def step_times(checkpoint: Path, contract: dict[str, Any] | None, steps: int, ba
             if i >= 2:
                 times.append(time.perf_counter() - started)
         out[name] = statistics.median(times)
-    if "contract" in out:
-        out["ratio"] = out["contract"] / out["plain"]
+    out["ratio"] = out["contract"] / out["plain"]
     return out
 
 
@@ -138,40 +166,80 @@ def measure(arch: str, args: argparse.Namespace, root: Path) -> list[dict[str, A
     checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=args.seed, overwrite=True)
     full = arch in args.full
     rows = []
-    contract = None
-    for threads in args.threads if (full and not args.step_time_only) else args.threads[:1]:
+    for threads in args.threads if full else args.threads[:1]:
         dump = root / f"dump-{arch}-t{threads}"
         engine = rollout(args.engine_python, checkpoint, dump, threads, args.max_tokens, args.split_kv)
-        base = {"arch": arch, "threads": threads, "split_kv": args.split_kv}
+        base = _base(arch, threads, args.split_kv, engine)
         if "error" in engine:
             rows.append({**base, "row": "rollout", "error": engine["error"]})
             continue
-        contract = contract or engine["contract"]
-        matched = engine["contract"]["evidence"]["matched"]
-        info = engine["engine"]
-        base["engine"] = f"vllm {info['version']} ({info['kernels']}, attention {info['attention_isa']}, {info['threads']} threads)"
+        names = ROWS if (full and threads == args.threads[0]) else (SHORT if threads == args.threads[0] else ("contract eager",))
+        for name in names:
+            rows.append({**base, "row": name, **compare(checkpoint, dump, *ROWS[name])})
+            print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def _base(name: str, threads: int, split_kv: str, engine: dict[str, Any]) -> dict[str, Any]:
+    base: dict[str, Any] = {"arch": name, "threads": threads, "split_kv": split_kv}
+    if "error" not in engine:
         from fx_precision.contract import EngineContract
 
+        info = engine["engine"]
+        base["engine"] = f"vllm {info['version']} ({info['kernels']}, attention {info['attention_isa']}, {info['threads']} threads)"
         base["contract"] = EngineContract.from_dict(engine["contract"]).describe()
-        names = ROWS if (full and threads == args.threads[0]) else (SHORT if threads == args.threads[0] else ("contract eager",))
-        names = () if args.step_time_only else names
-        for name in names:
-            result = compare(checkpoint, dump, *ROWS[name])
-            rows.append({**base, "row": name, "rollout_seconds": engine["seconds"], "probes_matched": matched, **result})
+        base["probes_matched"] = engine["contract"]["evidence"]["matched"]
+        base["rollout_seconds"] = engine["seconds"]
+    return base
+
+
+SHAPE_ROWS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (  # (row, compare flags, training threads: None = the machine's)
+    ("as-is eager", (), None),
+    ("contract eager", ("--contract", "vllm"), None),
+    ("contract eager, training on 1 thread", ("--contract", "vllm"), 1),
+    ("contract compiled", ("--contract", "vllm", "--compiled"), None),
+    ("contract eager, FSDP2 x2", ("--contract", "vllm", "--world-size", "2"), None),
+)
+
+
+def measure_shape(name: str, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+    """A published shape (tests/configs/NAME, --layers layers): every row on 1 engine thread, the contract on the
+    other thread counts (split-KV off: an order the contract does not follow)."""
+    checkpoint = write_shaped_checkpoint(CONFIGS / name / "config.json", root / f"ckpt-{name}", layers=args.layers, seed=args.seed,
+                                         overwrite=True)  # fmt: skip
+    rows = []
+    for threads in args.threads:
+        dump = root / f"dump-{name}-t{threads}"
+        engine = rollout(args.engine_python, checkpoint, dump, threads, args.shape_max_tokens, "off", args.shape_prompt_lens)
+        base = _base(f"{name} ({args.layers} layers)", threads, "off", engine)
+        if "error" in engine:
+            rows.append({**base, "row": "rollout", "error": engine["error"]})
+            continue
+        for row, flags, training in SHAPE_ROWS if threads == args.threads[0] else SHAPE_ROWS[1:3]:
+            rows.append({**base, "row": row, **compare(checkpoint, dump, *flags, threads=training)})
             print(json.dumps(rows[-1]), flush=True)
-    if args.steps and contract is not None:
-        cost = step_times(checkpoint, contract, args.steps, args.batch, args.seq_len)
-        rows.append({"arch": arch, "row": "step time", **cost})
-        print(json.dumps(rows[-1]), flush=True)
     return rows
+
+
+def measure_step(name: str, args: argparse.Namespace, root: Path) -> dict[str, Any]:
+    """The contract's cost: a compiled fwd+bwd step on a rollout's sequences (--step-prompt-lens, --step-max-tokens)."""
+    checkpoint = write_shaped_checkpoint(CONFIGS / name / "config.json", root / f"step-{name}", layers=args.layers, seed=args.seed,
+                                         overwrite=True)  # fmt: skip
+    dump = root / f"step-dump-{name}"
+    engine = rollout(args.engine_python, checkpoint, dump, 1, args.step_max_tokens, "off", args.step_prompt_lens, modules=False)
+    row = {"arch": f"{name} ({args.layers} layers)", "row": "step time", "prompt_lens": args.step_prompt_lens,
+           "max_tokens": args.step_max_tokens}  # fmt: skip
+    if "error" in engine:
+        return {**row, "error": engine["error"]}
+    return {**row, **step_times(checkpoint, dump, args.steps)}
 
 
 def table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
-        if r["row"] == "step time":
-            ratio = f"contract {r.get('contract', float('nan')):.3f} s / plain {r['plain']:.3f} s = {r.get('ratio', float('nan')):.2f}x"
-            body.append([r["arch"], "step time (fwd+bwd, Inductor)", "", ratio, "", "", ""])
+        if r["row"] == "step time" and "error" not in r:
+            ratio = f"contract {r['contract']:.3f} s / plain {r['plain']:.3f} s = {r['ratio']:.2f}x"
+            body.append([r["arch"], f"step time (fwd+bwd, Inductor, batch {r['batch'][0]} x {r['batch'][1]})", "", ratio, "", "", ""])
         elif "error" in r:
             body.append([r["arch"], r["row"], r.get("threads", ""), f"not run: {r['error']}", "", "", ""])
         else:
@@ -187,18 +255,20 @@ def main() -> None:
     parser.add_argument(
         "--engine-python", required=True, help="the engine environment's python (python -m fx_precision.tools.engine_env DIR)"
     )
-    parser.add_argument("--archs", default="qwen3,llama,qwen2,mistral,gemma,phi3,granite", help="arch-zoo names, comma-separated")
+    parser.add_argument("--archs", default="qwen3,llama,qwen2,mistral,gemma,phi3,granite", help="arch-zoo names, comma-separated ('' none)")
     parser.add_argument("--full", default="qwen3,llama", help="architectures measured on every row (FSDP2, every thread count)")
     parser.add_argument("--threads", default="1,2", help="the engine's OpenMP threads, comma-separated (the first for every row)")
     parser.add_argument("--max-tokens", type=int, default=8)
     parser.add_argument("--seed", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=5, help="timed training steps per variant (0: no step time)")
-    parser.add_argument("--batch", type=int, default=2)
-    parser.add_argument("--seq-len", type=int, default=256)
-    parser.add_argument(
-        "--split-kv", choices=["default", "on", "off"], default="default", help="the engine's split-KV attention (rollout --split-kv)"
-    )
-    parser.add_argument("--step-time-only", action="store_true", help="only the step-time rows (the engine probe runs, for the contract)")
+    parser.add_argument("--split-kv", choices=["default", "on", "off"], default="default", help="the tiny rows' rollout --split-kv")
+    parser.add_argument("--shapes", default="", help="published shapes (tests/configs names, comma-separated): qwen3-0.6b,...")
+    parser.add_argument("--layers", type=int, default=3, help="decoder layers kept of a published shape")
+    parser.add_argument("--shape-prompt-lens", default="11,97,300,513")
+    parser.add_argument("--shape-max-tokens", type=int, default=16)
+    parser.add_argument("--step", default="", help="a published shape whose compiled fwd+bwd step is timed with and without the contract")
+    parser.add_argument("--step-prompt-lens", default="256,256", help="the step's batch: these prompts ...")
+    parser.add_argument("--step-max-tokens", type=int, default=256, help="... and this many sampled tokens each (batch 2 x 512)")
+    parser.add_argument("--steps", type=int, default=5, help="timed training steps per variant")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]
@@ -206,22 +276,40 @@ def main() -> None:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in args.archs.split(","):
+        for arch in filter(None, args.archs.split(",")):
             rows.extend(measure(arch, args, Path(tmp)))
+        for name in filter(None, args.shapes.split(",")):
+            rows.extend(measure_shape(name, args, Path(tmp)))
+        if args.step:
+            rows.append(measure_step(args.step, args, Path(tmp)))
+            print(json.dumps(rows[-1]), flush=True)
     print(f"\nengine contract vs live vLLM, torch {torch.__version__}, {platform.machine()}, {torch.get_num_threads()} threads")
     print(table(rows))
     if args.json:
         payload = {
             "command": "python " + " ".join(sys.argv),
+            "fx_precision": _version(),
             "torch": torch.__version__,
             "machine": platform.machine(),
             "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
             "prompt_lens": PROMPT_LENS,
             "max_tokens": args.max_tokens,
+            "shape_prompt_lens": args.shape_prompt_lens,
+            "shape_max_tokens": args.shape_max_tokens,
             "seconds": round(time.perf_counter() - started, 1),
             "rows": rows,
         }
         Path(args.json).write_text(json.dumps(payload, indent=1))
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("fx_precision")
+    except metadata.PackageNotFoundError:
+        return "unknown"
 
 
 def _cpu_model() -> str:

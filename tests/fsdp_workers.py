@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 from typing import Any
 
@@ -198,30 +199,47 @@ def per_block_eager_fix(rank: int, world_size: int, arch_name: str, eager_fix: b
     }
 
 
+def _runs3(in_features: int) -> tuple[int, ...]:
+    chunks = (in_features + 31) // 32
+    return (3,) * (chunks // 3) + ((chunks % 3,) if chunks % 3 else ())
+
+
 def contract_training(rank: int, world_size: int, arch_name: str, contract: dict[str, Any] | None, steps: int) -> dict[str, Any] | None:
     """An arch-zoo model under FSDP2 (per-layer units, gather and compute bf16), compiled whole with
     precision_backend (aot_eager) with the engine contract's rewrites or without; ``steps`` SGD steps on
     one fixed batch split over the ranks. Reports losses, dtypes, the first step's gradients, the rewrites."""
+    from dataclasses import replace
+
     from fx_precision.backend import make_precision_backend
     from fx_precision.contract import EngineContract
+    from fx_precision.contract.batch_rows import EngineRows, engine_rows
+    from fx_precision.contract.linear_order import LinearOrder, LinearOrders, engine_linear_shapes
     from fx_precision.policy import PrecisionPolicy
     from fx_precision.tools.arch_zoo import arch
 
     torch.set_num_threads(1)
     model = arch(arch_name).build(seed=0).train()
     kept = EngineContract.from_dict(contract) if contract is not None else None
+    ids = token_batch(model, batch=BATCH, seq_len=SEQ, seed=1)
+    per_rank = BATCH // world_size
+    local = ids[rank * per_rank : (rank + 1) * per_rank]
+    rows = torch.full(local.shape, local.numel(), dtype=torch.int32)  # as if the engine had computed this batch in one call
+    if kept is not None:  # every GEMM of the model in a blocked order (three-chunk blocks) at the batch's rows
+        shapes = engine_linear_shapes(model, input_ids=local[:, :4], use_cache=False)
+        blocked = LinearOrders.uniform(shapes, [local.numel()], lambda k: LinearOrder(blocks=_runs3(k), parts=(len(_runs3(k)),)))
+        kept = replace(kept, linears=blocked)
     policy = PrecisionPolicy(gather=torch.bfloat16, compute=torch.bfloat16, cast_forward_inputs=False, contract=kept)
     plan = policy.plan(model, wrap=layer_wrap_globs(model))
     apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
     backend = make_precision_backend(policy=policy, plan=plan, inner="aot_eager")
     compiled = torch.compile(model, backend=backend, dynamic=False)
-    ids = token_batch(model, batch=BATCH, seq_len=SEQ, seed=1)
-    per_rank = BATCH // world_size
-    local = ids[rank * per_rank : (rank + 1) * per_rank]
+    def plan() -> Any:  # the batch's row plan, entered for each step's forward
+        return engine_rows(EngineRows(rows, rows, kept.linears)) if kept is not None else contextlib.nullcontext()
+
     optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
     losses, first_grads = [], None
     for _ in range(steps):
-        with policy.forward_context("cpu"):
+        with policy.forward_context("cpu"), plan():
             logits = logits_of(compiled(input_ids=local, use_cache=False))
         loss = F.cross_entropy(logits.float()[:, :-1].flatten(0, 1), local[:, 1:].flatten())
         loss.backward()

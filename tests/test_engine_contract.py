@@ -13,15 +13,18 @@ import torch
 
 import fx_precision as fxp
 from fx_precision.contract import AttentionArithmetic, EngineContract
-from fx_precision.contract.batch_rows import check_logits_calls, row_plans
+from fx_precision.contract.batch_rows import EngineRows, RowPlan, check_logits_calls, engine_rows, row_plans
 from fx_precision.contract.kernels import engine_kernels
-from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary, engine_rows, variant_codes
+from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
+from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary, variant_codes
 from fx_precision.errors import PrecisionError
 
 BF16 = torch.bfloat16
 VEC = AttentionArithmetic(scores="vec", exp="libm", reduce="avx2", p_bf16=False, fma=False, store="truncate")  # the AVX2 build's
-PORTABLE = EngineContract(attention=VEC, rounding="truncate")  # runs on any x86 CPU: no AMX, no small-batch linears
-NEAREST = EngineContract(attention=VEC, rounding="nearest-even")  # rotary written into the graph (truncation: an op)
+SOME_ORDER = LinearOrders(1, (LinearCall(64, 32, 8, LinearOrder.sequential(32)),))  # rewrites need orders; these graphs never run
+PORTABLE = EngineContract(attention=VEC, rounding="truncate", linears=SOME_ORDER)  # runs on any x86 CPU: no AMX needed
+NEAREST = EngineContract(attention=VEC, rounding="nearest-even", linears=SOME_ORDER)  # rotary in the graph (truncation: an op)
+BLOCKED = LinearOrder(blocks=(3, 3, 2), parts=(2, 1))  # 8 chunks of 32: K = 256, in two parts (a split across engine threads)
 
 
 def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None = None) -> torch.Tensor:
@@ -39,7 +42,7 @@ def test_the_contract_round_trips_and_refuses_what_it_cannot_be() -> None:
         AttentionArithmetic(scores="gpu")
     with pytest.raises(PrecisionError, match="the engine runs bf16 weights and bf16 compute"):
         fxp.PrecisionPolicy(compute=BF16, gather=torch.float32, contract=contract)
-    assert "truncate store" in contract.describe() and "batch-invariant linears" in contract.describe()
+    assert "truncate store" in contract.describe() and "1 linear calls read on 1 engine thread" in contract.describe()
 
 
 def test_vec_attention_is_fp32_attention_stored_once_and_rows_do_not_depend_on_the_batch() -> None:
@@ -206,21 +209,110 @@ def test_the_rotation_in_the_graph_is_the_engine_kernel_under_inductor() -> None
         assert rewritten == [1] and torch.equal(got, want)
 
 
-def test_the_linear_follows_the_row_plan() -> None:
-    torch.manual_seed(3)
-    x, w, b = torch.randn(1, 6, 64).to(BF16), (torch.randn(32, 64) * 0.1).to(BF16), torch.randn(32).to(BF16)
-    batched = torch.nn.functional.linear(x, w, b)
-    assert torch.equal(engine_linear(x, w, b, 0), batched)  # no plan: the batched kernel, torch's
-    flags = torch.tensor([[False, True, False, False, True, False]])
-    if not engine_kernels().cpu_has_avx512_bf16():
-        with pytest.raises(PrecisionError, match="AVX-512 BF16"), engine_rows(flags, None):
-            engine_linear(x, w, b, 0)
-        return
-    with engine_rows(flags, None):
-        mixed = engine_linear(x, w, b, 0)
-        logits_kind = engine_linear(x, w, b, 1)  # the logits plan is unset: all batched
-    assert torch.equal(mixed[0, ~flags[0]], batched[0, ~flags[0]]) and torch.equal(logits_kind, batched)
-    assert (mixed.float() - batched.float()).abs().max() <= 0.02 * batched.float().abs().max()
+def _cancelling(rows: int, k: int, out: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inputs on which summation orders part in the last bits: small random products, plus a huge one in K's first
+    element that its last element cancels exactly, so every chunk added while it is in the sum rounds coarsely and a
+    block summed from 0 does not. x [rows, k], w [out, k], bias [out]."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(out, k, generator=gen) * 0.1
+    x = torch.randn(rows, k, generator=gen)
+    w[:, 0] = w[:, -1] = 1.0
+    x[:, 0], x[:, -1] = 2.0**14, -(2.0**14)
+    return x.to(BF16), w.to(BF16), torch.randn(out, generator=gen).to(BF16)
+
+
+def test_the_linear_sums_each_row_in_the_order_of_its_engine_call() -> None:
+    """Each row of fxp_engine.linear is summed in the order of the engine call that computed it (the row plan's rows
+    per call): rows of a 7-row call in the blocked order, of a 3-row call in order, rows the engine never computed by
+    torch's linear; the two orders part on these inputs, so the test sees which one ran. A call the contract read no
+    order for, a plan of another batch and a forward outside engine_rows are refused."""
+    x, w, b = _cancelling(10, 256, 64, seed=3)
+    x = x.view(2, 5, 256)
+    orders = LinearOrders(1, (LinearCall(64, 256, 7, BLOCKED), LinearCall(64, 256, 3, LinearOrder.sequential(256))))
+    body = torch.tensor([[7, 7, 7, 0, 3], [3, 3, 7, 7, 0]], dtype=torch.int32)
+    with engine_rows(EngineRows(body, torch.zeros_like(body), orders)):
+        out = engine_linear(x, w, b, False, 0, "test.linear")
+    kernels = engine_kernels()
+    by_order = {7: kernels.linear(x.view(10, 256), w, b, BLOCKED.struct()), 3: kernels.linear(x.view(10, 256), w, b,
+                LinearOrder.sequential(256).struct()), 0: torch.nn.functional.linear(x.view(10, 256), w, b)}  # fmt: skip
+    assert not torch.equal(by_order[7], by_order[3])  # the orders part: which one ran shows
+    expected = torch.stack([by_order[int(m)][i] for i, m in enumerate(body.flatten())]).view(2, 5, 64)
+    assert torch.equal(out, expected)
+    with engine_rows(EngineRows(torch.full((2, 5), 5, dtype=torch.int32), torch.zeros(2, 5, dtype=torch.int32), orders)):
+        with pytest.raises(PrecisionError, match=r"linear 64x256 at test.linear computed rows in a call of 5 rows"):
+            engine_linear(x, w, b, False, 0, "test.linear")
+    with engine_rows(EngineRows(torch.full((1, 5), 7, dtype=torch.int32), torch.zeros(1, 5, dtype=torch.int32), orders)):
+        with pytest.raises(PrecisionError, match="the row plan holds 5 rows"):
+            engine_linear(x, w, b, False, 0, "test.linear")
+    with pytest.raises(PrecisionError, match=r"ran outside fx_precision\.contract\.batch_rows\.engine_rows"):
+        engine_linear(x, w, b, False, 0, "test.linear")
+
+
+def test_the_linear_gives_the_same_bits_on_any_thread_count_with_or_without_amx() -> None:
+    """The training side's own thread count never changes the engine linear's arithmetic (its work splits over
+    outputs, never over K), and the order summed element by element (any CPU) is the AMX tiles' bit for bit."""
+    x, w, b = _cancelling(37, 256, 80, seed=4)  # rows and outputs off the tiles' 16 and 32: their tails too
+    kernels = engine_kernels()
+    for order in (LinearOrder.sequential(256), BLOCKED, LinearOrder(blocks=(8,), parts=(1,))):
+        results = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            results.append(kernels.linear(x, w, b, order.struct()))
+            results.append(kernels.linear(x, w, b, order.struct(), emulate=True))
+        torch.set_num_threads(1)
+        assert all(torch.equal(results[0], r) for r in results[1:]), order
+
+
+def test_the_order_family_is_canonical_and_read_strictly() -> None:
+    """Orders that add in the same sequence are one (a one-chunk block joins the block before it; a part of one
+    block joins the part before it); the family has no repeats; a linear order or call read from a dump is
+    checked field by field."""
+    assert LinearOrder(blocks=(11, 11, 10), parts=(2, 1)).canonical() == LinearOrder(blocks=(11, 11, 10), parts=(3,))
+    assert LinearOrder(blocks=(31, 1), parts=(1, 1)).canonical() == LinearOrder.sequential(1024)
+    family = candidate_orders(1024, 2)
+    assert len(family) == len(set(family)) and family[0] == LinearOrder.sequential(1024)
+    assert LinearOrder(blocks=(11, 11, 10), parts=(3,)) in family and LinearOrder(blocks=(16, 16), parts=(1, 1)).canonical() in family
+    orders = LinearOrders(2, (LinearCall(64, 256, 7, BLOCKED), LinearCall(64, 256, 2, LinearOrder(LinearKernel.PAIRS, bias_first=True))))
+    assert LinearOrders.from_dict(json.loads(json.dumps(orders.to_dict()))) == orders
+    bad = orders.to_dict()
+    bad["calls"][0]["rows"] = "seven"
+    with pytest.raises(PrecisionError, match=r"contract.linears.calls\[0\].rows: a positive integer, got 'seven'"):
+        LinearOrders.from_dict(bad)
+    bad = orders.to_dict()
+    bad["calls"][0]["order"]["blocks"] = [3, 3]
+    with pytest.raises(PrecisionError, match="parts"):
+        LinearOrders.from_dict(bad)
+
+
+@pytest.mark.needs_transformers
+def test_the_training_side_gives_the_same_bits_on_one_and_two_threads() -> None:
+    """A decoder 512 wide (intermediate 2048, 8 / 4 heads of 64) compiled under the contract, its every GEMM in an
+    order split in two parts as on a two-thread engine: the logits of a forward on 1 thread and on 2 are the same bits
+    (a trainer never runs on the engine's thread count)."""
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fx_precision.backend import make_precision_backend
+    from fx_precision.contract.linear_order import engine_linear_shapes
+
+    config = Qwen3Config(vocab_size=4096, hidden_size=512, intermediate_size=2048, num_hidden_layers=2, num_attention_heads=8,
+                         num_key_value_heads=4, head_dim=64, max_position_embeddings=512)  # fmt: skip
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).eval()
+    ids = torch.randint(0, 4096, (1, 96))
+    split = lambda k: next(o for o in candidate_orders(k, 2) if len(o.parts) == 2 and len(o.blocks) > 2)
+    orders = LinearOrders.uniform(engine_linear_shapes(model, input_ids=ids[:, :4]), [96], split, threads=2)
+    attention = AttentionArithmetic() if engine_kernels().cpu_has_amx() else VEC
+    contract = EngineContract(attention=attention, linears=orders)
+    policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False, contract=contract)
+    compiled = torch.compile(model, backend=make_precision_backend(policy=policy, plan=policy.plan(model), inner="aot_eager"))
+    rows = torch.full((1, 96), 96, dtype=torch.int32)
+    logits = []
+    for threads in (1, 2, 1):
+        torch.set_num_threads(threads)
+        with torch.no_grad(), policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+            logits.append(compiled(input_ids=ids, use_cache=False).logits)
+    torch.set_num_threads(1)
+    assert logits[0].dtype == BF16 and all(torch.equal(logits[0].view(torch.int16), t.view(torch.int16)) for t in logits[1:])
 
 
 def test_row_plans_follow_the_engine_steps() -> None:
@@ -230,12 +322,17 @@ def test_row_plans_follow_the_engine_steps() -> None:
     prefill = [(0, 1), (1, 2), (2, 3), (3, 4), (4, 5), (5, 6), (0, 7), (1, 6), (2, 5)]
     steps = [prefill, [(6, 9), (3, 4)], [(7, 8), (4, 3)]]
     engine = {"steps": steps, "logits_calls": [[0, 2], [0, 5], [0, 2], [1, 2], [2, 2]]}
-    plan_a, plan_b = row_plans([a, b], engine, 4)
-    assert plan_a.body == (False,) * 6 + (True, True) and plan_b.body == (False,) * 3 + (True, True)
-    assert plan_a.logits == (False,) * 5 + (True, True)  # prompt log-probs in a call of 5 rows; then sampling, 2 per call
-    assert plan_b.logits == (True, True, True, True)  # a prompt-log-prob call of 2 rows: small too
+    plan_a, plan_b = row_plans([a, b], engine)
+    assert plan_a.body == (9,) * 6 + (2, 2) and plan_b.body == (9,) * 3 + (2, 2)  # the rows of the forward that computed each
+    assert plan_a.logits == (5,) * 5 + (2, 2)  # prompt log-probs in a call of 5 rows; then sampling, 2 rows per call
+    assert plan_b.logits == (2, 2, 2, 2)
     assert check_logits_calls([a, b], engine) is None
-    assert "other batches" in (check_logits_calls([a, b], {**engine, "logits_calls": [[0, 9]]}) or "")
+    with pytest.raises(PrecisionError, match="other batches than assumed"):
+        row_plans([a, b], {**engine, "logits_calls": [[0, 9]]})
+    rows = EngineRows.of([plan_a, plan_b], SOME_ORDER)  # a padded batch: rows past a sequence's end are 0 (never computed)
+    assert rows.body.tolist() == [[9] * 6 + [2, 2], [9] * 3 + [2, 2, 0, 0, 0]]
+    assert rows.logits.tolist() == [[5] * 5 + [2, 2, 0], [2, 2, 2, 2, 0, 0, 0, 0]]
+    assert RowPlan((9, 2), (9,)).tensors()[1].tolist() == [[9, 0]]
 
 
 def _rms_rotary_mlp(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -332,6 +429,8 @@ def test_the_rewrites_are_found_on_every_architecture_of_the_sweep(request: pyte
         if has_rope:
             assert counts.get("engine-rotary", 0) == 2 * attention_layers, (spec.name, attention_layers, counts)  # q and k
         assert counts.get("engine-attention", 0) == attention_layers, (spec.name, attention_layers, counts)
+        linears = sum(isinstance(m, torch.nn.Linear) or type(m).__name__ == "Conv1D" for m in model.modules())  # GPT-2's: addmm
+        assert counts.get("engine-linears", 0) == linears, (spec.name, linears, counts)  # every GEMM in its engine call's order
         norms = sum(type(m).__name__.endswith(("RMSNorm", "LayerNorm", "Norm")) for m in model.modules())
         assert counts.get("engine-eager-math", 0) >= norms, (spec.name, norms, counts)  # each norm's reduction kept eager
     moe = {"qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3", "qwen3-next"}
@@ -374,7 +473,8 @@ def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     # one decoder-layer graph serves every layer (the same code, compiled once); FSDP2 units break the graph between
     # layers, so the fused add + norm is kept across the break (the sum leaving one graph, taken by the next one's norm)
     # eager math: the layer graph's 4 norms' means and silu, the final norm's, the rotary table's cos and sin
-    rewrites = {"fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-eager-math": 8, "engine-coverage": 0}
+    rewrites = {"fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-linears": 8, "engine-eager-math": 8,
+                "engine-coverage": 0}  # fmt: skip
     assert under["rewrites"] == rewrites, under
     assert under["losses"][-1] < under["losses"][0], under["losses"]
     assert set(under["master_dtypes"].values()) == {torch.float32} and set(under["grad_dtypes"].values()) == {torch.float32}

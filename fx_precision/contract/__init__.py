@@ -9,8 +9,9 @@
     │               transformers' apply_rotary_pos_emb, nothing to rewrite)
     ├── attention   AttentionArithmetic: scores (amx | vec), exp (libm | fast512), lane reduction
     │               (avx512 | avx2), P at bf16 or fp32, fused multiply-adds, the store's rounding
-    ├── linears     small_batch_rows / shapes: the engine's linears that switch kernels when a forward
-    │               holds few rows (a decode step), and at how many (contract/batch_rows.py)
+    ├── linears     LinearOrders: the order the engine's GEMM sums each linear's outputs in, per weight shape
+    │               and rows per call, read at its thread count (contract/linear_order.py); the training
+    │               side computes each row in its engine call's order (contract/batch_rows.py)
     ├── rounding    nearest-even | truncate: how the engine's kernels store fp32 as bf16
     ├── eager math  reductions (a norm's mean of squares) and transcendentals (exp, cos, sin, silu)
     │               by torch's eager kernels, as the engine runs them: Inductor would sum in another
@@ -27,6 +28,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.errors import PrecisionError
 
 ROUNDINGS = ("nearest-even", "truncate")
@@ -65,8 +67,7 @@ class EngineContract:
     rotary: str = "kernel"
     norm: str = "fused-add"
     attention: AttentionArithmetic = field(default_factory=AttentionArithmetic)
-    small_batch_rows: int = 0  # the engine's linears switch kernels at this many rows per forward (0: they do not)
-    small_batch_shapes: tuple[tuple[int, int], ...] = ()  # the (out, in) weight shapes whose linears switch
+    linears: LinearOrders = field(default_factory=LinearOrders)
     logprobs: str = "fp32-log-softmax-of-bf16-logits"
     evidence: dict[str, Any] = field(default_factory=dict)  # what each probe found: candidates and their mismatches
 
@@ -79,14 +80,15 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.norm={self.norm!r}: 'fused-add' (vLLM) or 'plain'")
 
     def describe(self) -> str:
-        small = f"small-batch linears at <= {self.small_batch_rows} rows" if self.small_batch_rows else "batch-invariant linears"
         return (
             f"{self.engine} {self.version or ''}: norm {self.norm}; rotary {self.rotary}; "
-            f"attention {self.attention.describe()}; {small}; stores {self.rounding}"
+            f"attention {self.attention.describe()}; linears: {self.linears.describe()}; stores {self.rounding}"
         ).replace("  ", " ")
 
     def to_dict(self) -> dict[str, Any]:
-        return asdict(self)
+        data = asdict(self)
+        data["linears"] = self.linears.to_dict()
+        return data
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> EngineContract:
@@ -97,9 +99,9 @@ class EngineContract:
         if unknown:
             raise PrecisionError(f"engine contract: unknown field(s) {', '.join(unknown)}; written by a newer fx_precision?")
         attention = data.get("attention") or {}
-        shapes = tuple(tuple(int(d) for d in shape) for shape in data.get("small_batch_shapes") or ())
+        linears = LinearOrders.from_dict(data["linears"]) if "linears" in data else LinearOrders()
         try:
-            return cls(**{**data, "attention": AttentionArithmetic(**attention), "small_batch_shapes": shapes})
+            return cls(**{**data, "attention": AttentionArithmetic(**attention), "linears": linears})
         except TypeError as exc:
             raise PrecisionError(f"engine contract: {exc}") from None
 

@@ -1,45 +1,62 @@
-"""Which rows the engine computed in a small batch: its linear kernels switch arithmetic on the batch size.
+"""Which engine call computed each row: the engine's GEMMs sum in an order that depends on how many rows a call holds.
 
-vLLM's CPU linears with small weights (AMX machines) run a different kernel when a forward holds at
-most 4 rows (a pairwise bf16 dot product, VDPBF16PS) than above (AMX brgemm, as torch's linear):
-a decode step of up to 4 running requests takes one path, the prefill of a long prompt the other. A
-teacher-forced training forward computes every row in one batch, so it must be told which rows the
-engine computed small. The rollout records each engine forward's rows and each logits computation::
+The engine runs a forward per scheduler step over every token the step holds (the prompts it prefills,
+one token of each request it decodes), and computes logits in calls of their own (a request's prompt
+log-probs; one row per request when it samples). Its GEMM library picks its K blocking per call from the
+row count (contract/linear_order.py), so a teacher-forced training forward, which computes every row in
+one batch, must know the size of the engine call each row came from. The rollout records them::
 
     engine steps     [[(position, token), ...] per forward]      logits calls   [(step, rows), ...]
     row plan of sequence s (T tokens, prompt P)
-    ├── body[r]      the forward that computed row r had <= 4 rows          (all the body's linears)
-    └── logits[r]    the logits of row r (for token r + 1) were computed in a call of <= 4 rows:
-                     r < P - 1: the prompt-logprob call of this request in that step (its rows < P - 1)
+    ├── body[r]      rows of the forward that computed row r                    (all the body's linears)
+    └── logits[r]    rows of the logits call that computed row r's logits (the log-prob of token r + 1):
+                     r < P - 1: the prompt-log-prob call of this request in that step (its rows < P - 1)
                      r >= P - 1: the sampling call of that step (one row per request in the step)
+                     0 where the engine never computed the row (the last sampled token is never fed)
 
-``check_logits_calls`` compares the calls this predicts with the ones recorded; a difference means the
-engine batched its logits otherwise, and the contract says it does not follow them.
+``check_logits_calls`` compares the calls this predicts with the ones recorded; ``row_plans`` refuses a
+dump whose calls differ (the engine batched its logits otherwise, and the plan would be wrong).
+``EngineRows`` is a training batch's plans as tensors with the contract's linear orders; ``engine_rows``
+makes it the one ``fxp_engine.linear`` reads while a forward runs.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 from collections import Counter
-from dataclasses import dataclass
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.errors import PrecisionError
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    """Per token row of one sequence: computed by the engine in a small batch (body linears, logits)."""
+    """Per token row of one sequence: the rows of the engine call that computed it (0: never computed)."""
 
-    body: tuple[bool, ...]
-    logits: tuple[bool, ...]
+    body: tuple[int, ...]  # one per token
+    logits: tuple[int, ...]  # one per token but the last
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        return torch.tensor([self.body], dtype=torch.bool), torch.tensor([self.logits], dtype=torch.bool)
+        """[1, T] int32 each (the logits row of the last token: 0)."""
+        return torch.tensor([self.body], dtype=torch.int32), torch.tensor([(*self.logits, 0)], dtype=torch.int32)
 
 
-def steps_of(sequences: list[Any], steps: list[list[tuple[int, int]]]) -> list[list[int | None]]:
+def _steps(engine: dict[str, Any]) -> list[list[tuple[int, int]]]:
+    steps = engine.get("steps")
+    if not steps:
+        raise PrecisionError(
+            "the engine dump records no forward steps (engine.steps); write it again with fx-precision rollout of this version"
+        )
+    return [[(int(p), int(t)) for p, t in rows] for rows in steps]
+
+
+def steps_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> list[list[int | None]]:
     """For each sequence, the engine step that computed each of its rows (None: never computed).
 
     A row is the (position, token) it fed; a sequence's rows come in non-decreasing steps, and each
@@ -48,9 +65,9 @@ def steps_of(sequences: list[Any], steps: list[list[tuple[int, int]]]) -> list[l
     where: dict[tuple[int, int], list[int]] = {}
     for i, rows in enumerate(steps):
         for position, token in rows:
-            available[(i, int(position), int(token))] += 1
-            if i not in where.setdefault((int(position), int(token)), []):
-                where[(int(position), int(token))].append(i)
+            available[(i, position, token)] += 1
+            if i not in where.setdefault((position, token), []):
+                where[(position, token)].append(i)
     out = []
     for s in sequences:
         found: list[int | None] = []
@@ -65,39 +82,11 @@ def steps_of(sequences: list[Any], steps: list[list[tuple[int, int]]]) -> list[l
     return out
 
 
-def row_plans(sequences: list[Any], engine: dict[str, Any], small: int) -> list[RowPlan]:
-    """The row plan of every sequence (see the module docstring); ``small``: the largest small batch."""
-    steps = [[(int(p), int(t)) for p, t in rows] for rows in engine.get("steps") or []]
-    if not steps:
-        raise PrecisionError("the engine dump records no forward steps; write it again with fx-precision rollout of this version")
-    step_of = steps_of(sequences, steps)
-    requests = Counter()
-    for found in step_of:
-        for step in set(f for f in found if f is not None):
-            requests[step] += 1
-    plans = []
-    for s, found in zip(sequences, step_of, strict=True):
-        body = tuple(f is not None and len(steps[f]) <= small for f in found)
-        logits = []
-        for r in range(len(s.tokens) - 1):
-            step = found[r]
-            if step is None:
-                logits.append(False)
-            elif r < s.prompt_len - 1:
-                chunk = sum(1 for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1)
-                logits.append(chunk <= small)
-            else:
-                logits.append(requests[step] <= small)
-        plans.append(RowPlan(body, tuple(logits)))
-    return plans
-
-
-def check_logits_calls(sequences: list[Any], engine: dict[str, Any]) -> str | None:
-    """None when the recorded logits computations are the ones the plan assumes, else what differs."""
-    steps = [[(int(p), int(t)) for p, t in rows] for rows in engine.get("steps") or []]
+def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]]) -> tuple[Counter[tuple[int, int]], Counter[int]]:
+    """The logits calls the plan assumes, (step, rows) -> count, and the requests each step samples for."""
     predicted: Counter[tuple[int, int]] = Counter()
     requests: Counter[int] = Counter()
-    for s, found in zip(sequences, steps_of(sequences, steps), strict=True):
+    for s, found in zip(sequences, step_of, strict=True):
         for step in set(f for f in found if f is not None):
             requests[step] += 1
             prompt_rows = sum(1 for q, f in enumerate(found) if f == step and q < s.prompt_len - 1)
@@ -105,9 +94,87 @@ def check_logits_calls(sequences: list[Any], engine: dict[str, Any]) -> str | No
                 predicted[(step, prompt_rows)] += 1
     for step, n in requests.items():
         predicted[(step, n)] += 1
+    return predicted, requests
+
+
+def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str | None:
+    """None when the recorded logits computations are the ones the plan assumes, else what differs."""
+    steps = _steps(engine)
+    predicted, _ = _predicted_calls(sequences, steps_of(sequences, steps))
     recorded = Counter((int(a), int(b)) for a, b in engine.get("logits_calls") or [])
     if recorded == predicted:
         return None
     missing = sorted((predicted - recorded).elements())[:4]
     extra = sorted((recorded - predicted).elements())[:4]
     return f"the engine computed logits in other batches than assumed (expected but absent: {missing}; recorded, unexpected: {extra})"
+
+
+def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: bool = True) -> list[RowPlan]:
+    """The row plan of every sequence (module docstring), after the recorded logits calls are checked against it
+    (``with_logits=False``: the body's rows only, the logits plan left at 0)."""
+    steps = _steps(engine)
+    step_of = steps_of(sequences, steps)
+    differs = check_logits_calls(sequences, engine) if with_logits else None
+    if differs is not None:
+        raise PrecisionError(
+            f"the engine's row plan cannot be followed: {differs}. Roll out again with fx-precision rollout of this version"
+        )
+    _, requests = _predicted_calls(sequences, step_of)
+    plans = []
+    for s, found in zip(sequences, step_of, strict=True):
+        body = tuple(len(steps[f]) if f is not None else 0 for f in found)
+        logits = []
+        for r in range(len(s.tokens) - 1):
+            step = found[r]
+            if step is None or not with_logits:
+                logits.append(0)
+            elif r < s.prompt_len - 1:
+                logits.append(sum(1 for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1))
+            else:
+                logits.append(requests[step])
+        plans.append(RowPlan(body, tuple(logits)))
+    return plans
+
+
+@dataclass(frozen=True)
+class EngineRows:
+    """A training batch's row plans ([B, T] int32 each: rows of the engine call per row, 0 where none) and the
+    contract's linear orders: what ``fxp_engine.linear`` computes each row with."""
+
+    body: torch.Tensor
+    logits: torch.Tensor
+    orders: LinearOrders
+    fused: Mapping[str, int] = field(default_factory=dict)  # module path -> width of the engine GEMM it is part of,
+    # for a linear whose siblings another graph holds (a graph break between them): see fused_linear_widths
+
+    @classmethod
+    def of(cls, plans: Sequence[RowPlan], orders: LinearOrders, length: int | None = None,
+           fused: Mapping[str, int] | None = None) -> EngineRows:  # fmt: skip
+        """The plans of a batch, each padded with 0 to ``length`` (default: the longest): right-padded sequences."""
+        width = length if length is not None else max(len(p.body) for p in plans)
+        if any(len(p.body) > width for p in plans):
+            raise PrecisionError(f"engine rows: a row plan is longer than the batch's {width} positions")
+        body = torch.zeros(len(plans), width, dtype=torch.int32)
+        logits = torch.zeros(len(plans), width, dtype=torch.int32)
+        for i, p in enumerate(plans):
+            b, lg = p.tensors()
+            body[i, : b.shape[1]] = b[0]
+            logits[i, : lg.shape[1]] = lg[0]
+        return cls(body, logits, orders, dict(fused or {}))
+
+
+_ACTIVE: contextvars.ContextVar[EngineRows | None] = contextvars.ContextVar("fxp_engine_rows", default=None)
+
+
+@contextlib.contextmanager
+def engine_rows(rows: EngineRows) -> Iterator[None]:
+    """Within the block, ``fxp_engine.linear`` computes each row in the order of the engine call that computed it."""
+    token = _ACTIVE.set(rows)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def active_rows() -> EngineRows | None:
+    return _ACTIVE.get()

@@ -525,6 +525,244 @@ void attention_amx_tiled(const Problem& P) {
   });
 }
 
+
+// ---------------------------------------------------------------------------------------------
+// linear: the engine's bf16 GEMM, in the order it sums each output (contract/linear_order.py)
+// ---------------------------------------------------------------------------------------------
+//
+// One output y = sum_k x[k] * w[k] (bf16 operands, exact products in fp32) as the engine's AMX GEMM sums it:
+//
+//   chunk dot  t_c = fl(e + o) over K chunk c (32 elements): e sums the 16 even products, o the odd ones,
+//              each from 0 in order; this is what one TDPBF16PS adds, and TDPBF16PS(C, c) = fl(C + t_c)
+//   block      the chunks of one K block folded in order from 0 (one tile, accumulated across its chunks)
+//   part       the blocks of one K range folded in order (a thread's share when the GEMM splits K)
+//   output     the parts folded in order, then fl(. + bias), one bf16 store rounding to nearest even
+//
+// The blocks and parts are the engine's blocking for this weight shape, batch size and thread count (its
+// GEMM library picks them per call; the probe reads them off the engine). The kernel below computes every
+// row alike whatever this process's threads: work is split over output tiles, never over K.
+
+struct FxpLinearOrder {      // mirrored by contract/kernels.py LinearOrderStruct
+  int32_t pairs;             // 1: the small-batch kernel (VDPBF16PS over K pairs, in order, from the bias)
+  int32_t bias_first;        // 1: the sum starts at the bias (the small-batch kernel); 0: bias added last
+  int32_t n_blocks;          // K blocks, in order
+  int32_t n_parts;           // parts, in order
+  const int32_t* block_chunks;  // chunks per block (sum: ceil(K / 32))
+  const int32_t* part_blocks;   // blocks per part (sum: n_blocks)
+};
+
+namespace {
+
+// X [M, K] as VNNI B tiles: per 16 rows and 32 K-elements, 16 rows of (16 rows' pairs): [mb][c][r][m][2].
+void pack_rows_vnni(const uint16_t* x, int64_t M, int64_t K, int64_t chunks, uint16_t* xp) {
+  const int64_t mblocks = (M + 15) / 16;
+  for (int64_t mb = 0; mb < mblocks; ++mb)
+    for (int64_t c = 0; c < chunks; ++c) {
+      uint16_t* dst = xp + (mb * chunks + c) * 512;
+      for (int r = 0; r < 16; ++r)
+        for (int m = 0; m < 16; ++m)
+          for (int w = 0; w < 2; ++w) {
+            const int64_t row = mb * 16 + m, k = c * 32 + 2 * r + w;
+            dst[(r * 16 + m) * 2 + w] = (row < M && k < K) ? x[row * K + k] : 0;
+          }
+    }
+}
+
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_configure_linear() {
+  TileConfig cfg{};
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  asm volatile("ldtilecfg %0" : : "m"(cfg) : "memory");
+}
+
+// C^T tiles: tmm0..3 = C[n 0-15 | 16-31][m 0-15 | 16-31], tmm4/5 = A (16 weight rows, one chunk), tmm6/7 = B
+// (16 packed input rows, one chunk). Each element of C is its own weight row against its own input row.
+__attribute__((target("amx-tile,amx-bf16"))) inline void amx_block_2x2(const uint16_t* w0, const uint16_t* w1, int64_t w_stride,
+                                                                        const uint16_t* b0, const uint16_t* b1, int64_t chunks,
+                                                                        float* c, bool two_n, bool two_m) {
+  asm volatile("" ::: "memory");
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t i = 0; i < chunks; ++i) {
+    _tile_loadd(4, w0 + i * 32, w_stride);
+    _tile_loadd(6, b0 + i * 512, 64);
+    _tile_dpbf16ps(0, 4, 6);
+    if (two_m) {
+      _tile_loadd(7, b1 + i * 512, 64);
+      _tile_dpbf16ps(1, 4, 7);
+    }
+    if (two_n) {
+      _tile_loadd(5, w1 + i * 32, w_stride);
+      _tile_dpbf16ps(2, 5, 6);
+      if (two_m) _tile_dpbf16ps(3, 5, 7);
+    }
+  }
+  _tile_stored(0, c, 64);
+  _tile_stored(1, c + 256, 64);
+  _tile_stored(2, c + 512, 64);
+  _tile_stored(3, c + 768, 64);
+  asm volatile("" ::: "memory");
+}
+
+__attribute__((target("avx512f"))) inline void add_into(float* acc, const float* add, int64_t n) {
+  for (int64_t i = 0; i < n; i += 16) _mm512_storeu_ps(acc + i, _mm512_add_ps(_mm512_loadu_ps(acc + i), _mm512_loadu_ps(add + i)));
+}
+
+// A 16 x 16 fp32 tile transposed: rows[i] holds column i of `in` (row-major, 16 floats per row).
+__attribute__((target("avx512f"))) inline void transpose16(const float* in, __m512* rows) {
+  __m512 r[16], t[16];
+  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(in + i * 16);
+  for (int i = 0; i < 16; i += 2) {
+    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int i = 0; i < 16; i += 4) {
+    r[i] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i]), _mm512_castps_pd(t[i + 2])));
+    r[i + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+    r[i + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(t[i + 1]), _mm512_castps_pd(t[i + 3])));
+  }
+  // r[4g + j]: rows 4g..4g+3, element (column) j + 4 * lane-group: gather the 128-bit lanes across groups
+  for (int j = 0; j < 4; ++j) {
+    const __m512 a = _mm512_shuffle_f32x4(r[j], r[4 + j], 0x88), b = _mm512_shuffle_f32x4(r[j], r[4 + j], 0xdd);
+    const __m512 c = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0x88), d = _mm512_shuffle_f32x4(r[8 + j], r[12 + j], 0xdd);
+    t[j] = _mm512_shuffle_f32x4(a, c, 0x88);
+    t[8 + j] = _mm512_shuffle_f32x4(a, c, 0xdd);
+    t[4 + j] = _mm512_shuffle_f32x4(b, d, 0x88);
+    t[12 + j] = _mm512_shuffle_f32x4(b, d, 0xdd);
+  }
+  // t[q]: column (q % 4) + 4 * (index of the lane group) ... reorder into columns 0..15
+  static const int order[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
+  for (int i = 0; i < 16; ++i) rows[order[i]] = t[i];
+}
+
+// total[t][n][m], t = 2 * (n tile) + (m tile), of the output block at weight row n0, input block mb:
+// out[m][n] = bf16(total + bias), 16 outputs at a time (the engine's store: VCVTNEPS2BF16).
+__attribute__((target("avx512f,avx512bf16,avx512vl,avx512bw"))) void store_block(const float* total, const float* bias, uint16_t* out,
+                                                                                  int64_t M, int64_t N, int64_t n0, int64_t mb, bool two_n,
+                                                                                  bool two_m) {
+  __m512 cols[16];
+  for (int t = 0; t < 4; ++t) {
+    if (((t >> 1) && !two_n) || ((t & 1) && !two_m)) continue;
+    const int64_t nb = n0 + (t >> 1) * 16, mb0 = (mb + (t & 1)) * 16;
+    const int64_t nn = std::min<int64_t>(16, N - nb);
+    if (nn <= 0) continue;
+    const __mmask16 keep = static_cast<__mmask16>((1u << nn) - 1u);
+    const __m512 bv = bias != nullptr ? _mm512_maskz_loadu_ps(keep, bias + nb) : _mm512_setzero_ps();
+    transpose16(total + t * 256, cols);
+    for (int j = 0; j < 16 && mb0 + j < M; ++j) {
+      const __m512 v = bias != nullptr ? _mm512_add_ps(cols[j], bv) : cols[j];
+      const __m256i h = (__m256i)_mm512_cvtneps_pbh(v);
+      _mm256_mask_storeu_epi16(out + (mb0 + j) * N + nb, keep, h);
+    }
+  }
+}
+
+// The AMX linear for one order: every (32 weight rows x 32 input rows) output block folds its blocks and parts.
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl"))) void linear_amx(const uint16_t* x, const uint16_t* w,
+                                                                                          const float* bias, uint16_t* out, int64_t M,
+                                                                                          int64_t N, int64_t K,
+                                                                                          const FxpLinearOrder& order, int64_t threads) {
+  const int64_t chunks = (K + 31) / 32, mblocks = (M + 15) / 16;
+  // the weight as stored when its rows hold whole chunks and N is whole tiles; else a zero-padded copy
+  const bool direct = K % 32 == 0 && N % 16 == 0;
+  std::vector<uint16_t> wpad;
+  const int64_t Kp = chunks * 32, Np = (N + 15) / 16 * 16;
+  if (!direct) {
+    wpad.assign(Np * Kp, 0);
+    for (int64_t n = 0; n < N; ++n) std::memcpy(wpad.data() + n * Kp, w + n * K, K * 2);
+  }
+  const uint16_t* wt = direct ? w : wpad.data();
+  const int64_t wk = direct ? K : Kp;
+  std::vector<uint16_t> xp(mblocks * chunks * 512);
+  pack_rows_vnni(x, M, K, chunks, xp.data());
+  std::vector<int64_t> block_start(order.n_blocks + 1, 0);
+  for (int32_t b = 0; b < order.n_blocks; ++b) block_start[b + 1] = block_start[b] + order.block_chunks[b];
+  const bool single = order.n_blocks == 1;
+  const int64_t ntiles32 = (Np + 31) / 32;
+  // a panel of weight tiles stays in L2 while every input block passes it: about 512 KiB of weights
+  const int64_t panel = std::max<int64_t>(1, (512 * 1024) / (32 * wk * 2));
+  parallel_ranges(ntiles32, threads, [&](int64_t begin, int64_t end) {
+    amx_configure_linear();
+    alignas(64) float cbuf[1024], part[1024], total[1024];
+    for (int64_t p0 = begin; p0 < end; p0 += panel)
+      for (int64_t mb = 0; mb < mblocks; mb += 2)
+        for (int64_t nt = p0; nt < std::min(end, p0 + panel); ++nt) {
+          const int64_t n0 = nt * 32;
+          const bool two_n = n0 + 16 < Np, two_m = mb + 1 < mblocks;
+          const uint16_t* b0 = xp.data() + mb * chunks * 512;
+          const uint16_t* b1 = two_m ? b0 + chunks * 512 : b0;
+          int32_t block = 0;
+          for (int32_t p = 0; p < order.n_parts; ++p) {
+            for (int32_t i = 0; i < order.part_blocks[p]; ++i, ++block) {
+              const int64_t c0 = block_start[block], cn = block_start[block + 1] - c0;
+              amx_block_2x2(wt + n0 * wk + c0 * 32, wt + (n0 + 16) * wk + c0 * 32, wk * 2, b0 + c0 * 512, b1 + c0 * 512, cn,
+                            single ? total : cbuf, two_n, two_m);
+              if (single) continue;
+              if (i == 0) {
+                std::memcpy(part, cbuf, sizeof(cbuf));
+              } else {
+                add_into(part, cbuf, 1024);
+              }
+            }
+            if (single) continue;
+            if (p == 0) {
+              std::memcpy(total, part, sizeof(part));
+            } else {
+              add_into(total, part, 1024);
+            }
+          }
+          store_block(total, bias, out, M, N, n0, mb, two_n, two_m);
+        }
+    amx_release();
+  });
+}
+
+// The same sums without AMX, element by element (any x86 CPU; AMX's own arithmetic, which a test holds equal to
+// the hardware): per chunk the even and the odd products summed from 0 in order, denormals flushed as the tile
+// instruction flushes them, then the chunk dots folded in blocks and parts, then bias, one store.
+void linear_emulated(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
+                     const FxpLinearOrder& order, int64_t threads) {
+  const int64_t chunks = (K + 31) / 32;
+  parallel_ranges(N, threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> dots(chunks);
+    for (int64_t n = begin; n < end; ++n) {
+      const uint16_t* wrow = w + n * K;
+      for (int64_t m = 0; m < M; ++m) {
+        const uint16_t* xrow = x + m * K;
+        for (int64_t c = 0; c < chunks; ++c) {
+          float e = 0.0f, o = 0.0f;
+          for (int64_t k = c * 32; k < std::min<int64_t>(K, c * 32 + 32); k += 2) {
+            e = ftz(e + ftz(ftz(bf16_value(xrow[k])) * ftz(bf16_value(wrow[k]))));
+            if (k + 1 < K) o = ftz(o + ftz(ftz(bf16_value(xrow[k + 1])) * ftz(bf16_value(wrow[k + 1]))));
+          }
+          dots[c] = ftz(e + o);
+        }
+        float total = 0.0f;
+        int64_t c = 0;
+        int32_t block = 0;
+        for (int32_t p = 0; p < order.n_parts; ++p) {
+          float part = 0.0f;
+          for (int32_t j = 0; j < order.part_blocks[p]; ++j, ++block) {
+            float acc = 0.0f;
+            for (int32_t i = 0; i < order.block_chunks[block]; ++i, ++c) acc = ftz(acc + dots[c]);
+            part = j == 0 ? acc : part + acc;
+          }
+          total = p == 0 ? part : total + part;
+        }
+        const float v = bias != nullptr ? total + bias[n] : total;
+        out[m * N + n] = bf16_rne(ftz(v));
+      }
+    }
+  });
+}
+
+}  // namespace
+
 extern "C" {
 
 // q: [B, T, H, D], k, v: [B, S, KVH, D] (bf16 bits, contiguous); key_lens: [B], valid keys per row;
@@ -575,6 +813,82 @@ __attribute__((target("avx512f,avx512bf16"))) void fxp_small_batch_linear(const 
       __m256i stored = (__m256i)_mm512_cvtneps_pbh(acc);
       _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + m * N + n0), stored);
     }
+  }
+}
+
+
+// y [M, N] = x [M, K] . w [N, K]^T (+ bias, fp32 [N] or null) in the engine's order for every row (see
+// FxpLinearOrder): bf16 bits in and out. The caller (contract/kernels.py) checks shapes and the order.
+// emulate: the same sums element by element without AMX (linear_emulated).
+void fxp_linear(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
+                const FxpLinearOrder* order, int64_t threads, int emulate) {
+  if (order->pairs) {
+    fxp_small_batch_linear(x, w, bias, out, M, K, N);
+    return;
+  }
+  if (emulate) {
+    linear_emulated(x, w, bias, out, M, N, K, *order, threads);
+    return;
+  }
+  linear_amx(x, w, bias, out, M, N, K, *order, threads);
+}
+
+// The chunk dots of P outputs for the probe: out[i][c] = t_c of dot(x_i, w_i) (one TDPBF16PS from 0 per chunk,
+// so the hardware's own sum). x, w: [P, K] bf16 bits, row i of each the two operands of output i.
+__attribute__((target("amx-tile,amx-bf16"))) void fxp_chunk_dots(const uint16_t* x, const uint16_t* w, float* out, int64_t P, int64_t K) {
+  const int64_t chunks = (K + 31) / 32;
+  amx_configure_rows16();
+  alignas(64) uint16_t a[16 * 32], bv[16 * 32];
+  alignas(64) float c[256];
+  for (int64_t i0 = 0; i0 < P; i0 += 16) {
+    for (int64_t ch = 0; ch < chunks; ++ch) {
+      for (int r = 0; r < 16; ++r)
+        for (int k = 0; k < 32; ++k) {
+          const int64_t i = i0 + r, kk = ch * 32 + k;
+          const bool in = i < P && kk < K;
+          a[r * 32 + k] = in ? x[i * K + kk] : 0;
+          bv[(k / 2) * 32 + r * 2 + (k % 2)] = in ? w[i * K + kk] : 0;  // VNNI: pair k/2, column r
+        }
+      amx_rows16(a, 64, 0, bv, 1, c, 64);
+      for (int r = 0; r < 16 && i0 + r < P; ++r) out[(i0 + r) * chunks + ch] = c[r * 16 + r];
+    }
+  }
+  amx_release();
+}
+
+// Each output folded from its chunk dots in an order: bf16 bits of fl(fold + bias), or of the fold started at
+// the bias (bias_first). dots [P, chunks]; bias [P] or null.
+void fxp_order_fold(const float* dots, const float* bias, uint16_t* out, int64_t P, int64_t chunks, const FxpLinearOrder* order) {
+  for (int64_t i = 0; i < P; ++i) {
+    const float* d = dots + i * chunks;
+    const float b = bias != nullptr ? bias[i] : 0.0f;
+    float total = 0.0f;
+    int64_t c = 0;
+    int32_t block = 0;
+    for (int32_t p = 0; p < order->n_parts; ++p) {
+      float part = 0.0f;
+      for (int32_t j = 0; j < order->part_blocks[p]; ++j, ++block) {
+        float acc = (bias != nullptr && order->bias_first && p == 0 && j == 0) ? b : 0.0f;
+        for (int32_t n = 0; n < order->block_chunks[block]; ++n, ++c) acc = ftz(acc + d[c]);  // in the tile: flushed
+        part = j == 0 ? acc : part + acc;
+      }
+      total = p == 0 ? part : total + part;
+    }
+    out[i] = bf16_rne(ftz(bias != nullptr && !order->bias_first ? total + b : total));  // the store flushes denormals
+  }
+}
+
+// The small-batch kernel's sum of P outputs, as VDPBF16PS adds each K pair: from the bias, per pair the odd
+// product then the even one, each one rounding (products of bf16 values are exact); bf16 bits out (nearest even).
+// x, w: [P, K] bf16 bits, row i of each the operands of output i; bias [P] fp32 or null.
+void fxp_pairs_fold(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t P, int64_t K) {
+  for (int64_t i = 0; i < P; ++i) {
+    float acc = bias != nullptr ? bias[i] : 0.0f;
+    for (int64_t k = 0; k + 1 < K; k += 2) {
+      acc = ftz(acc + ftz(bf16_value(x[i * K + k + 1])) * ftz(bf16_value(w[i * K + k + 1])));
+      acc = ftz(acc + ftz(bf16_value(x[i * K + k])) * ftz(bf16_value(w[i * K + k])));
+    }
+    out[i] = bf16_rne(acc);
   }
 }
 

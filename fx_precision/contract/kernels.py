@@ -82,6 +82,28 @@ def build_library() -> Path:
     return library
 
 
+class LinearOrderStruct(ctypes.Structure):
+    """``FxpLinearOrder`` of engine_kernels.cpp: how the engine sums one output of a linear (contract/linear_order.py)."""
+
+    _fields_ = [
+        ("pairs", ctypes.c_int32),
+        ("bias_first", ctypes.c_int32),
+        ("n_blocks", ctypes.c_int32),
+        ("n_parts", ctypes.c_int32),
+        ("block_chunks", ctypes.POINTER(ctypes.c_int32)),
+        ("part_blocks", ctypes.POINTER(ctypes.c_int32)),
+    ]
+
+
+def order_struct(pairs: bool, bias_first: bool, blocks: tuple[int, ...], parts: tuple[int, ...]) -> LinearOrderStruct:
+    """The C struct of one order; its arrays live as long as the struct (kept on it)."""
+    block_array = (ctypes.c_int32 * len(blocks))(*blocks)
+    part_array = (ctypes.c_int32 * len(parts))(*parts)
+    struct = LinearOrderStruct(int(pairs), int(bias_first), len(blocks), len(parts), block_array, part_array)
+    struct._keep = (block_array, part_array)  # type: ignore[attr-defined]
+    return struct
+
+
 class EngineKernels:
     """The loaded library, with tensor-level calls that check what the C side assumes."""
 
@@ -91,6 +113,14 @@ class EngineKernels:
         lib.fxp_attention.restype = None
         lib.fxp_small_batch_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64]
         lib.fxp_small_batch_linear.restype = None
+        lib.fxp_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.POINTER(LinearOrderStruct), _I64, _INT]
+        lib.fxp_linear.restype = None
+        lib.fxp_chunk_dots.argtypes = [_P, _P, _P, _I64, _I64]
+        lib.fxp_chunk_dots.restype = None
+        lib.fxp_order_fold.argtypes = [_P, _P, _P, _I64, _I64, ctypes.POINTER(LinearOrderStruct)]
+        lib.fxp_order_fold.restype = None
+        lib.fxp_pairs_fold.argtypes = [_P, _P, _P, _P, _I64, _I64]
+        lib.fxp_pairs_fold.restype = None
         lib.fxp_cpu_has_amx.restype = _INT
         lib.fxp_cpu_has_avx512_bf16.restype = _INT
         self.lib = lib
@@ -154,6 +184,77 @@ class EngineKernels:
             B, T, H, D, S, KVH, heads, float(scale), int(causal), int(window), int(q_offset), *(int(c) for c in variant), int(rowwise),
             torch.get_num_threads(),
         )  # fmt: skip
+        return out
+
+    def linear(
+        self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, order: LinearOrderStruct, *, emulate: bool | None = None
+    ) -> torch.Tensor:
+        """x [M, K] @ weight [N, K]^T (+ bias) summed in ``order`` for every row: bf16 in, bf16 out, whatever this
+        process's thread count (the work splits over outputs, never over K). On AMX tiles where the CPU has them,
+        else (or with ``emulate=True``) the same sums element by element."""
+        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
+            raise PrecisionError(
+                f"engine linear takes 2-d bf16 x and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}"
+            )
+        (M, K), N = x.shape, weight.shape[0]
+        chunks = (K + 31) // 32
+        blocks = [order.block_chunks[i] for i in range(order.n_blocks)]
+        parts = [order.part_blocks[i] for i in range(order.n_parts)]
+        covered = bool(order.pairs) or (sum(blocks) == chunks and sum(parts) == len(blocks) and min(blocks + parts, default=0) >= 1)
+        if weight.shape[1] != K or K % 2 or not covered:
+            raise PrecisionError(
+                f"engine linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, order blocks {blocks} parts {parts}: K must match and "
+                f"be even, the blocks must cover its {chunks} chunks of 32 and the parts every block"
+            )
+        if order.pairs and (N % 16 or not self.cpu_has_avx512_bf16()):
+            raise PrecisionError(f"engine linear: the small-batch kernel needs N a multiple of 16 and AVX-512 BF16 (N = {N})")
+        emulated = (not self.cpu_has_amx()) if emulate is None else emulate
+        b32 = bias.to(torch.float32).contiguous() if bias is not None and bias.numel() else None
+        if b32 is not None and b32.shape != (N,):
+            raise PrecisionError(f"engine linear: bias must be [{N}], got {tuple(b32.shape)}")
+        if not order.pairs and not emulated and not torch._C._cpu._init_amx():
+            raise PrecisionError("the kernel could not get this process's permission to use AMX tiles (arch_prctl XCOMP_PERM)")
+        x, weight = x.contiguous().cpu(), weight.contiguous().cpu()
+        out = torch.empty((M, N), dtype=torch.bfloat16)
+        if M:
+            self.lib.fxp_linear(
+                x.data_ptr(), weight.data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), M, N, K, ctypes.byref(order),
+                torch.get_num_threads(), int(emulated),
+            )  # fmt: skip
+        return out
+
+    def chunk_dots(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """[P, ceil(K / 32)] fp32: the hardware's dot product of each 32-element chunk of x_i . w_i (one TDPBF16PS from 0)."""
+        if x.shape != w.shape or x.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            raise PrecisionError(f"chunk_dots takes two [P, K] bf16 tensors, got {tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")
+        if not self.cpu_has_amx() or not torch._C._cpu._init_amx():
+            raise PrecisionError("chunk_dots runs AMX tiles: this CPU (or process) cannot")
+        P, K = x.shape
+        out = torch.empty((P, (K + 31) // 32), dtype=torch.float32)
+        self.lib.fxp_chunk_dots(x.contiguous().data_ptr(), w.contiguous().data_ptr(), out.data_ptr(), P, K)
+        return out
+
+    def order_fold(self, dots: torch.Tensor, bias: torch.Tensor | None, order: LinearOrderStruct) -> torch.Tensor:
+        """[P] bf16: each output folded from its chunk dots ([P, chunks] fp32) in ``order``, then bias, one store."""
+        P, chunks = dots.shape
+        if sum(order.block_chunks[i] for i in range(order.n_blocks)) != chunks:
+            raise PrecisionError(f"order_fold: the order's blocks do not cover the {chunks} chunks")
+        b32 = bias.to(torch.float32).contiguous() if bias is not None else None
+        out = torch.empty(P, dtype=torch.bfloat16)
+        self.lib.fxp_order_fold(
+            dots.contiguous().data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), P, chunks, ctypes.byref(order)
+        )
+        return out
+
+    def pairs_fold(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """[P] bf16: output i = x_i . w_i summed as the small-batch kernel does (VDPBF16PS pairs from the bias)."""
+        if x.shape != w.shape or x.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
+            raise PrecisionError(f"pairs_fold takes two [P, K] bf16 tensors, got {tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")
+        b32 = bias.to(torch.float32).contiguous() if bias is not None else None
+        out = torch.empty(x.shape[0], dtype=torch.bfloat16)
+        self.lib.fxp_pairs_fold(
+            x.contiguous().data_ptr(), w.contiguous().data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), *x.shape
+        )
         return out
 
     def small_batch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

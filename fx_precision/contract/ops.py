@@ -7,9 +7,9 @@
     fxp_engine::rotary(x, cos, sin, rounding) -> out
         forward   x1*c - x2*s | x2*c + x1*s in fp32 from bf16 operands, one store (the engine's rounding)
         backward  the exact rotation's transpose: rounding passes gradients straight through
-    fxp_engine::linear(x, weight, bias, kind) -> out
-        forward   torch's bf16 linear (the engine's batched kernel), and the engine's small-batch kernel
-                  on the rows ``engine_rows`` flags (the engine computed them in a step of <= 4 rows)
+    fxp_engine::linear(x, weight, bias, logits, engine_out, where) -> out
+        forward   each row summed in the order of the engine call that computed it (batch_rows.engine_rows,
+                  linear_order.py), by engine_kernels.cpp: AMX tiles, work split over outputs, never over K
         backward  the linear's gradients in bf16, as autocast's linear has them
     fxp_engine::residual_add(a, b) -> a + b           a graph's residual sum that leaves the graph: bf16
                                                       out, its fp32 sum kept (thread-local, a few)
@@ -28,16 +28,16 @@ another order or drop their round trips.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
 from fx_precision.contract import AttentionArithmetic
+from fx_precision.contract.batch_rows import EngineRows, active_rows
 from fx_precision.contract.kernels import engine_kernels
+from fx_precision.contract.linear_order import LinearOrder
 from fx_precision.errors import PrecisionError
 
 ROUNDING_CODE = {"nearest-even": 0, "truncate": 1}
@@ -241,62 +241,70 @@ engine_rotary.register_autograd(_rotary_backward, setup_context=_rotary_setup)
 
 
 # ---------------------------------------------------------------------------------------------
-# linear: the engine's small-batch kernel on the rows it computed in a small batch
+# linear: every row in the order of the engine call that computed it
 # ---------------------------------------------------------------------------------------------
 
-_ROWS = threading.local()  # the row plan of the sequence being run: (body flags, logits flags), [B, T] bool each
+
+@functools.lru_cache(maxsize=512)
+def _order_struct(order: LinearOrder) -> Any:
+    return order.struct()
 
 
-@contextlib.contextmanager
-def engine_rows(body: torch.Tensor | None, logits: torch.Tensor | None) -> Iterator[None]:
-    """Within the block, ``fxp_engine::linear`` computes the flagged rows with the engine's small-batch
-    kernel (body: every linear but the logits one; logits: the output projection)."""
-    previous = getattr(_ROWS, "plan", None)
-    _ROWS.plan = (body, logits)
-    try:
-        yield
-    finally:
-        _ROWS.plan = previous
-
-
-def _flags(kind: int, rows: int) -> torch.Tensor | None:
-    plan = getattr(_ROWS, "plan", None)
-    flags = plan[kind] if plan is not None else None
-    if flags is None:
-        return None
-    flat = flags.reshape(-1)
-    if flat.numel() < rows:  # the logits flags have one row fewer (the last token has no successor)
-        flat = torch.cat((flat, torch.zeros(rows - flat.numel(), dtype=torch.bool)))
-    if flat.numel() != rows:
-        raise PrecisionError(f"engine rows: the row plan has {flat.numel()} rows, the linear {rows}; run each sequence alone")
-    return flat
+def _row_order(rows: EngineRows, widths: list[int], in_features: int, count: int, where: str) -> LinearOrder:
+    order = next((o for w in widths if (o := rows.orders.order_for(w, in_features, count)) is not None), None)
+    if order is None:
+        raise PrecisionError(
+            f"engine contract: the engine's linear {widths[-1]}x{in_features} at {where or '<root>'} computed rows in a call of "
+            f"{count} rows, and the rollout read no summation order for that call (read: {rows.orders.describe()}); roll out "
+            "again with fx-precision rollout of this version, which probes every call the run makes"
+        )
+    return order
 
 
 @torch.library.custom_op("fxp_engine::linear", mutates_args=())
-def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, kind: int) -> torch.Tensor:
-    """bf16 linear as the engine computes it: its batched kernel (torch's, bit for bit), and on the rows
-    the engine computed in a small batch its small-batch kernel (see contract/batch_rows.py)."""
-    out = torch.nn.functional.linear(x, weight, bias)
-    flags = _flags(kind, out.numel() // out.shape[-1])
-    if flags is None or not bool(flags.any()):
-        return out
-    if not engine_kernels().cpu_has_avx512_bf16():
-        raise PrecisionError("the engine contract's small-batch linear is AVX-512 BF16 and this CPU has none: run where the engine ran")
-    flat_x = x.reshape(-1, x.shape[-1])
-    flat_out = out.reshape(-1, out.shape[-1]).clone()
-    index = flags.nonzero().flatten()
-    small = engine_kernels().small_batch_linear(flat_x.index_select(0, index), weight, bias)
-    flat_out.index_copy_(0, index, small.to(out.dtype))
-    return flat_out.reshape(out.shape)
+def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, logits: bool, engine_out: int,
+                  where: str) -> torch.Tensor:  # fmt: skip
+    """bf16 linear as the engine computes it: each row summed in the order of the engine call that computed it
+    (``batch_rows.engine_rows``; the call's weight is ``engine_out`` wide where the engine fuses this linear with
+    its siblings, e.g. q, k, v into one qkv GEMM), whatever this process's thread count. Rows the engine never
+    computed (padding, the last sampled token) are torch's linear."""
+    rows = active_rows()
+    if rows is None:
+        raise PrecisionError(
+            f"fxp_engine.linear at {where or '<root>'} ran outside fx_precision.contract.batch_rows.engine_rows(...): the engine's "
+            "GEMM sums each row in an order that depends on the call that computed it, so a forward under the contract needs the "
+            "row plan of its batch"
+        )
+    flat_x = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    plan = (rows.logits if logits else rows.body).reshape(-1)
+    if plan.numel() != flat_x.shape[0]:
+        raise PrecisionError(
+            f"fxp_engine.linear at {where or '<root>'}: the row plan holds {plan.numel()} rows ({tuple(rows.body.shape)}), the linear "
+            f"{flat_x.shape[0]}: set engine_rows for the batch this forward runs"
+        )
+    out_features, in_features = weight.shape
+    widths = [w for w in (engine_out, rows.fused.get(where, 0), out_features) if w]  # the fused engine GEMM's, else its own
+    w16 = weight.to(torch.bfloat16)
+    out = torch.empty((flat_x.shape[0], out_features), dtype=torch.bfloat16)
+    for count in plan.unique().tolist():
+        index = (plan == count).nonzero().flatten()
+        part = flat_x.index_select(0, index)
+        if count == 0:
+            made = torch.nn.functional.linear(part, w16, bias.to(torch.bfloat16) if bias is not None else None)
+        else:
+            order = _row_order(rows, widths, in_features, int(count), where)
+            made = engine_kernels().linear(part, w16, bias, _order_struct(order))
+        out.index_copy_(0, index, made)
+    return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
 
 
 @engine_linear.register_fake
-def _(x, weight, bias, kind):  # type: ignore[no-untyped-def]
+def _(x, weight, bias, logits, engine_out, where):  # type: ignore[no-untyped-def]
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
 def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    x, weight, bias, _ = inputs
+    x, weight, bias = inputs[:3]
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
 
@@ -307,7 +315,7 @@ def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     flat_g, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
     grad_w = flat_g.t().matmul(flat_x.to(grad.dtype))
     grad_b = flat_g.sum(0) if ctx.has_bias else None
-    return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None
+    return grad_x.to(x.dtype), grad_w.to(weight.dtype), grad_b, None, None, None
 
 
 engine_linear.register_autograd(_linear_backward, setup_context=_linear_setup)

@@ -217,11 +217,54 @@ def write_tiny_checkpoint(
     from fx_precision.tools.arch_zoo import arch
 
     spec = arch(arch_name)
-    target = Path(out)
+    target = _checked_out(out, overwrite)
+    model = spec.build(seed=seed, dims={**ENGINE_DIMS, **(dims or {})}).to(torch.bfloat16)
+    return _save(model, target)
+
+
+MAX_SHAPED_POSITIONS = 4096  # the engine's KV cache is sized for the positions a config names: a published 128k is cut
+
+
+def write_shaped_checkpoint(config: str | os.PathLike[str], out: str | os.PathLike[str], *, layers: int, seed: int = 0,
+                            overwrite: bool = False) -> Path:  # fmt: skip
+    """A published model's shape with random weights: every dimension of ``config`` (a config.json: heads, KV heads,
+    head_dim, intermediate, vocabulary, rope scaling, tied embeddings, biases) but ``layers`` decoder layers and at
+    most ``MAX_SHAPED_POSITIONS`` positions; weights drawn as the architecture initialises them (std
+    ``initializer_range``) from ``seed``, norm weights 1 + N(0, 0.05) and biases N(0, initializer_range) (a norm
+    of ones and a zero bias would test nothing of their arithmetic), stored bf16 as published checkpoints are."""
+    cc = read_checkpoint_config(config)
+    if not 1 <= layers <= int(getattr(cc.config, "num_hidden_layers", layers) or layers):
+        raise PrecisionError(f"--layers {layers}: between 1 and the config's {cc.config.num_hidden_layers} layers")
+    target = _checked_out(out, overwrite)
+    shaped = cc.config
+    shaped.num_hidden_layers = layers
+    if isinstance(getattr(shaped, "layer_types", None), list):
+        shaped.layer_types = shaped.layer_types[:layers]
+    positions = getattr(shaped, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > MAX_SHAPED_POSITIONS:
+        shaped.max_position_embeddings = MAX_SHAPED_POSITIONS
+    transformers = require_transformers()
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(shaped, dtype=torch.float32)
+    with torch.no_grad():  # norms initialise to 1 and biases to 0, which tests nothing of their arithmetic: perturbed
+        for name, param in model.named_parameters():
+            if param.dim() == 1 and name.endswith("bias"):
+                param.normal_(0.0, float(getattr(shaped, "initializer_range", 0.02)))
+            elif param.dim() == 1 and bool((param == 1).all()):
+                param.add_(torch.randn_like(param) * 0.05)
+    return _save(model.to(torch.bfloat16), target)
+
+
+def _checked_out(out: str | os.PathLike[str], overwrite: bool) -> Path:
+    target = Path(out).expanduser().resolve()  # resolved: "." has a real parent, where the staging sibling goes
     if target.is_file() or (target.is_dir() and any(target.iterdir())):
         if not (overwrite and (target / "config.json").is_file()):
             raise PrecisionError(f"--out {target}: exists and is not empty; pass --overwrite to replace a checkpoint, or pick another path")
-    model = spec.build(seed=seed, dims={**ENGINE_DIMS, **(dims or {})}).to(torch.bfloat16)
+    return target
+
+
+def _save(model: nn.Module, target: Path) -> Path:
+    """``model`` as bf16 safetensors + config.json at ``target``, written beside it and renamed into place."""
     staging = target.parent / f".{target.name}.writing-{os.getpid()}"
     shutil.rmtree(staging, ignore_errors=True)
     try:

@@ -502,7 +502,11 @@ def contract_notes(evidence: dict[str, Any], engine: dict[str, Any]) -> list[str
             f"the engine's {', '.join(unmatched)} matched no candidate the contract knows (evidence in the dump's contract): "
             "expect those ops to differ"
         )
-    if int(engine.get("threads") or 1) > 1 and engine.get("split_kv"):
+    at_run = evidence.get("attention", {}).get("at the run's calls") if isinstance(evidence.get("attention"), dict) else None
+    if isinstance(at_run, dict) and at_run.get("unmatched"):
+        notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run['unmatched'][:3])}")
+    split_parted = not isinstance(at_run, dict) or bool(at_run.get("unmatched"))
+    if int(engine.get("threads") or 1) > 1 and engine.get("split_kv") and split_parted:
         notes.append(
             f"the engine ran split-KV attention on {engine['threads']} threads (long sequences' keys split across threads, "
             "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
@@ -522,11 +526,23 @@ def finite_nonnegative(text: str) -> float:
 
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from fx_precision.tools.checkpoint import write_tiny_checkpoint
+    from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
 
-    out = write_tiny_checkpoint(args.model, args.out, seed=args.seed, overwrite=args.overwrite)
-    data = {"out": str(out), "arch": args.model, "seed": args.seed, "files": sorted(p.name for p in out.iterdir())}
-    _emit(args, data, lambda: f"wrote {out}: a seeded random {args.model} checkpoint, bf16 safetensors ({', '.join(data['files'])})")
+    if (args.model is None) == (args.config is None):
+        raise PrecisionError("checkpoint takes --model ARCH (a tiny checkpoint) or --config CONFIG --layers N (a published shape)")
+    if args.config is not None and args.layers is None:
+        raise PrecisionError("--config writes a published shape with fewer layers: give --layers N")
+    if args.config is None and args.layers is not None:
+        raise PrecisionError("--layers goes with --config (a published shape); a tiny --model checkpoint has 3 layers")
+    if args.config is not None:
+        out = write_shaped_checkpoint(args.config, args.out, layers=args.layers, seed=args.seed, overwrite=args.overwrite)
+        what = f"{args.config}'s shape with {args.layers} layer(s)"
+    else:
+        out = write_tiny_checkpoint(args.model, args.out, seed=args.seed, overwrite=args.overwrite)
+        what = f"a tiny {args.model}"
+    data = {"out": str(out), "arch": args.model, "config": args.config, "layers": args.layers, "seed": args.seed,
+            "files": sorted(p.name for p in out.iterdir())}  # fmt: skip
+    _emit(args, data, lambda: f"wrote {out}: {what}, seeded random weights, bf16 safetensors ({', '.join(data['files'])})")
     return 0
 
 
@@ -729,12 +745,14 @@ def build_parser() -> argparse.ArgumentParser:
     p = sub.add_parser(
         "checkpoint",
         help="write a seeded random checkpoint of an arch-zoo architecture (bf16 safetensors + config) for both sides",
-        description="A tiny checkpoint (hidden 128, 3 layers, head_dim 32: sizes the engine's CPU attention runs) stored as "
-        "published checkpoints are: bf16 safetensors and a config.json naming its dtype.",
+        description="A tiny checkpoint (--model ARCH: hidden 128, 3 layers, head_dim 32: sizes the engine's CPU attention runs), "
+        "or a published shape (--config CONFIG --layers N: every dimension as the config states it, N layers, random weights "
+        "with the architecture's initialisation), stored as published checkpoints are: bf16 safetensors and a config.json "
+        "naming its dtype.",
     )
-    p.add_argument(
-        "--model", required=True, metavar="ARCH", help="an architecture of fx-precision sweep (qwen3, llama, qwen2, mistral, ...)"
-    )
+    p.add_argument("--model", metavar="ARCH", help="a tiny checkpoint of an architecture of fx-precision sweep (qwen3, llama, qwen2, ...)")
+    p.add_argument("--config", metavar="CONFIG", help="a published model's config.json (or its directory): its every dimension")
+    p.add_argument("--layers", type=bounded_int("--layers", 1, 1024), help="with --config: the decoder layers to keep")
     _add_out_args(p, "checkpoint")
     p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=0)
     _add_json_arg(p)

@@ -431,16 +431,21 @@ def record_modules(engine: Engine, cfg: RolloutConfig, dump: Dump) -> None:
     from vllm.inputs import TokensPrompt
 
     params = SamplingParams(max_tokens=1, temperature=cfg.temperature, seed=cfg.seed, detokenize=False)
+    steps, logits_calls = [], []
     for call, sequence in enumerate(dump.sequences):
         prompt = sequence.tokens
-        with _ModuleRecorder(engine.model, engine.config) as recorder:
+        with _ModuleRecorder(engine.model, engine.config) as recorder, _StepRecorder(engine.model) as stepped:
             engine.llm.generate([TokensPrompt(prompt_token_ids=list(prompt))], params, use_tqdm=False)
+        logits_calls += [(len(steps) + step, rows) for step, rows in stepped.logits]
+        steps += stepped.steps
         records, calls = recorder.records(call)
         dump.records.extend(records)
         dump.calls.extend(calls)
         ids = torch.tensor([prompt])
         dump.records.append(Record("", call, "in", "kwargs.input_ids", "int64", tuple(ids.shape), ids))  # as the training side calls
         dump.calls.append(CallInfo("", call, -10_000 * (call + 1), 10_000 * (call + 1)))
+    dump.engine["module_steps"] = steps  # the module pass's forwards: each sequence alone (its rows' linear orders)
+    dump.engine["module_logits_calls"] = logits_calls
 
 
 def run_rollout(cfg: RolloutConfig) -> Dump:
@@ -451,6 +456,10 @@ def run_rollout(cfg: RolloutConfig) -> Dump:
         record_modules(engine, cfg, dump)
     from fx_precision.contract.probe import probe_engine
 
-    dump.contract = probe_engine(engine, engine.info["checkpoint"], dump.engine["norm_calls"]).to_dict()
+    body = {len(rows) for key in ("steps", "module_steps") for rows in dump.engine.get(key, [])}
+    logits = {int(rows) for key in ("logits_calls", "module_logits_calls") for _, rows in dump.engine.get(key, [])}
+    steps = [[(int(p), int(t)) for p, t in rows] for rows in dump.engine["steps"]]
+    contract = probe_engine(engine, engine.info["checkpoint"], dump.engine["norm_calls"], body, logits, dump.sequences, steps)
+    dump.contract = contract.to_dict()
     dump.engine["rounding"] = dump.contract.get("rounding")
     return dump

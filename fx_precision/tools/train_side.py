@@ -48,37 +48,44 @@ def _policy(cfg: TrainConfig, model: nn.Module, dump: Dump) -> Any:
     return policy
 
 
-def _row_plans(dump: Dump, policy: Any) -> list[Any]:
-    """The engine's small-batch rows of each sequence, when the contract says its linears switch kernels."""
+def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
+    """Each sequence's engine rows (batch 1), when the policy follows a contract: the rows of the engine call that
+    computed each row, and the contract's linear orders. ``steps``: the generation's forwards (``steps``), or the
+    module pass's (``module_steps``: each sequence prefilled alone; its logits are not compared)."""
     contract = getattr(policy, "contract", None)
-    if contract is None or not contract.small_batch_rows:
+    if contract is None:
         return [None] * len(dump.sequences)
-    from fx_precision.contract.batch_rows import row_plans
+    from fx_precision.contract.batch_rows import EngineRows, RowPlan, row_plans
 
-    return row_plans(dump.sequences, dump.engine or {}, contract.small_batch_rows)
+    engine = dump.engine or {}
+    if steps == "steps":
+        plans = row_plans(dump.sequences, engine)
+    else:
+        module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls")}
+        alone = row_plans(dump.sequences, module_pass, with_logits=False)
+        plans = [RowPlan(p.body, (0,) * len(p.logits)) for p in alone]
+    return [EngineRows.of([plan], contract.linears) for plan in plans]
 
 
-def _forward_all(model: Any, dump: Dump, policy: Any, out: Dump, record: Any) -> None:
+def _forward_all(model: Any, dump: Dump, policy: Any, out: Dump, rows: list[Any]) -> None:
     """Each sequence alone. Compiled, each length is a graph of its own (static shapes): Dynamo may
     compile as many as it needs, and fails rather than run a frame eagerly (without the pass) past its limit."""
     import torch._dynamo
 
     limits = torch._dynamo.config.patch(recompile_limit=max(64, 4 * len(dump.sequences)), fail_on_recompile_limit_hit=True)
     with limits:
-        _forward_each(model, dump, policy, out, record)
+        _forward_each(model, dump, policy, out, rows)
 
 
-def _forward_each(model: Any, dump: Dump, policy: Any, out: Dump, record: Any) -> None:
-    from fx_precision.contract.ops import engine_rows
+def _forward_each(model: Any, dump: Dump, policy: Any, out: Dump, rows: list[Any]) -> None:
+    from fx_precision.contract.batch_rows import engine_rows
 
-    for sequence, plan in zip(dump.sequences, _row_plans(dump, policy), strict=True):
+    for sequence, plan in zip(dump.sequences, rows, strict=True):
         tokens = torch.tensor([sequence.tokens])
-        rows = engine_rows(*plan.tensors()) if plan is not None else contextlib.nullcontext()
-        with torch.no_grad(), policy.forward_context("cpu"), rows:
+        context = engine_rows(plan) if plan is not None else contextlib.nullcontext()
+        with torch.no_grad(), policy.forward_context("cpu"), context:
             logits = _logits(model(input_ids=tokens, use_cache=False))
         out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), next_token_logprobs(logits, tokens)[0])
-        if record is not None:
-            record(tokens, logits)
 
 
 def _logits(output: Any) -> torch.Tensor:
@@ -95,7 +102,8 @@ def train_against(dump: Dump, cfg: TrainConfig) -> Dump:
         from fx_precision.tools.distributed import run_on_ranks
 
         _check_weights(cfg.checkpoint, dump)
-        return run_on_ranks(_train_on_rank, cfg.world_size, dump, cfg)[0]
+        slim = replace(dump, records=[], calls=[], replays={})  # what a rank reads: sequences, steps, contract (not the records)
+        return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg)[0]
     from fx_precision.fsdp import gathered_eagerly
     from fx_precision.tools.checkpoint import load_checkpoint
 
@@ -111,20 +119,105 @@ def train_against(dump: Dump, cfg: TrainConfig) -> Dump:
         inner = cfg.inner if cfg.compiled else "aot_eager"
         backend = make_precision_backend(policy=policy, plan=plan, inner=inner)
         compiled = torch.compile(model, backend=backend, dynamic=False)
-        _forward_all(compiled, dump, policy, out, None)
+        _forward_all(compiled, dump, policy, out, _engine_rows(dump, policy))
         rewrites = {name: n for r in backend.reports for name, n in r.rewrites.items() if n}
         out.source = f"train, compiled with precision_backend ({inner}; {policy.describe()}; rewrites {rewrites or 'none'})"
+        if cfg.modules and cfg.contract and _has_module_records(dump):
+            _record_modules_under_contract(model, dump, policy, plan, inner, out)
         return out
     with gathered_eagerly(model, plan):
         if cfg.modules:
             with DumpRecorder(model, inputs=True, replay=True) as recorder:
-                _forward_all(model, dump, policy, out, None)
+                _forward_all(model, dump, policy, out, _engine_rows(dump, policy))
             out.records = recorder.dump.records + out.records
             out.calls, out.replays, out.autocast = recorder.dump.calls, recorder.dump.replays, recorder.dump.autocast
         else:
-            _forward_all(model, dump, policy, out, None)
+            _forward_all(model, dump, policy, out, _engine_rows(dump, policy))
     out.source = f"train, eager ({policy.describe()})"
     return out
+
+
+def _has_module_records(dump: Dump) -> bool:
+    return bool((dump.engine or {}).get("module_steps")) and any(r.io in ("in", "out") and r.fqn for r in dump.records)
+
+
+def _record_modules_under_contract(model: nn.Module, dump: Dump, policy: Any, plan: Any, inner: str, out: Dump) -> None:
+    """The module records of the training side under the contract, for the comparator's origins: the same compiled
+    graphs with taps (graph_taps.py), each sequence alone on the rows of the engine's module pass (each sequence
+    prefilled alone: the batch its module records were computed in); and, on demand, a module run alone under the
+    contract on the engine's recorded inputs (the comparator's first differing op)."""
+    import torch._dynamo
+
+    from fx_precision.backend import make_precision_backend
+    from fx_precision.graph_taps import TapRecorder
+
+    names = {r.fqn for r in dump.records if r.io in ("in", "out")}
+    rows = _engine_rows(dump, policy, steps="module_steps")
+    torch._dynamo.reset()  # the hooks are part of what Dynamo traces: fresh graphs, with taps
+    backend = make_precision_backend(policy=policy, plan=plan, inner=inner)
+    compiled = torch.compile(model, backend=backend, dynamic=False)
+    tapped = Dump(type(model).__name__)
+    with TapRecorder(model, only=names) as taps:
+        _forward_all(compiled, dump, policy, tapped, rows)
+    torch._dynamo.reset()
+    out.records = taps.dump.records + out.records
+    out.calls = taps.dump.calls
+    out.inputs = True
+    out.replays = ContractReplays(model, dump, policy, plan, rows)  # type: ignore[assignment]
+
+
+class ContractReplay:
+    """One module run alone under the contract: compiled with the contract's backend, its rewritten graph run op by
+    op (so the comparator's op recorder sees each op, the contract's custom ops among them), on the rows of the
+    sequence its call was."""
+
+    def __init__(self, module: nn.Module, policy: Any, plan: Any, rows: Any) -> None:
+        from fx_precision.backend import make_precision_backend
+
+        self.policy, self.rows = policy, rows
+        self.compiled = torch.compile(module, backend=make_precision_backend(policy=policy, plan=plan, inner=_run_graph), dynamic=False)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        from torch.utils._python_dispatch import _disable_current_modes
+
+        from fx_precision.contract.batch_rows import engine_rows
+
+        with engine_rows(self.rows), self.policy.forward_context("cpu"):
+            with _disable_current_modes():  # Dynamo compiles outside any dispatch mode: compile first, then run in it
+                self.compiled(*args, **kwargs)
+            return self.compiled(*args, **kwargs)
+
+
+def _run_graph(gm: Any, example_inputs: list[Any]) -> Any:
+    return gm
+
+
+class ContractReplays:
+    """``Dump.replays`` of the training side under the contract, made when the comparator asks for one: the model's
+    call of that module in an eager pass of the sequence (its arguments' structure; the comparator puts the
+    engine's recorded tensors in), and the module as a ContractReplay."""
+
+    def __init__(self, model: nn.Module, dump: Dump, policy: Any, plan: Any, rows: list[Any]) -> None:
+        self.model, self.dump, self.policy, self.plan, self.rows = model, dump, policy, plan, rows
+        self.names = {name for name, _ in model.named_modules()}
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 2 and key[0] in self.names and 0 <= key[1] < len(self.dump.sequences)
+
+    def __getitem__(self, key: tuple[str, int]) -> tuple[Any, tuple[Any, ...], dict[str, Any]]:
+        from fx_precision.fsdp import gathered_eagerly
+
+        fqn, call = key
+        sequence = self.dump.sequences[call]
+        tokens = torch.tensor([sequence.tokens])
+        with torch.no_grad(), gathered_eagerly(self.model, self.plan), self.policy.forward_context("cpu"):
+            with DumpRecorder(self.model, replay=True) as recorder:
+                self.model(input_ids=tokens, use_cache=False)
+        module, args, kwargs = recorder.dump.replays[(fqn, 0)]
+        return ContractReplay(module, self.policy, self.plan, self.rows[call]), args, kwargs
+
+    def items(self) -> list[Any]:
+        return []
 
 
 def compiles(cfg: TrainConfig) -> bool:
@@ -176,7 +269,7 @@ def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: TrainConfig) -> 
         inner = cfg.inner if cfg.compiled else "aot_eager"
         forward = torch.compile(model, backend=make_precision_backend(policy=policy, plan=plan, inner=inner), dynamic=False)
     out = Dump(name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract else None)
-    _forward_all(forward, dump, policy, out, None)
+    _forward_all(forward, dump, policy, out, _engine_rows(dump, policy))
     how = f", compiled ({cfg.inner})" if cfg.compiled else (", the pass with aot_eager" if compiles(cfg) else "")
     out.source = f"train, FSDP2 on {world_size} gloo ranks{how} ({policy.describe()})"
     return out

@@ -12,9 +12,10 @@ is covered (Llama, Qwen2/3, Mistral, Phi-3, Granite, ...)::
                                                              fxp_engine.rotary
     attention          scaled_dot_product_attention(q, k, v, attn_mask, scale, is_causal)
                    ->  fxp_engine.attention(...)            the engine kernel's arithmetic (contract/ops.py)
-    linears            linear(x, w, b) with a weight shape the engine switches kernels for
-                   ->  fxp_engine.linear(x, w, b, kind)     its small-batch kernel on the rows it computed
-                                                             in small batches (kind 1: the logits)
+    linears            linear(x, w, b)
+                   ->  fxp_engine.linear(x, w, b, ...)      every row summed in the order of the engine call
+                                                             that computed it (the engine's GEMM blocks K by
+                                                             the rows of a call: contract/linear_order.py)
     eager math         mean / sum / exp / cos / sin / silu / ... on a float tensor
                    ->  fxp_engine.eager_math(x, op, ...)    torch's eager kernel: Inductor sums in another
                                                              order and approximates exp, cos, sin otherwise
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import operator
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import fx
@@ -362,36 +364,136 @@ def _reaches_output(node: fx.Node) -> bool:
     return False
 
 
+_LINEAR = {torch.nn.functional.linear, torch._C._nn.linear}
+
+
+@dataclass(frozen=True)
+class LinearForm:
+    """One linear of a graph, however the model wrote it: ``out`` (the node whose value is x @ W^T + b), the input,
+    the weight as [N, K] (``transposed``: the graph holds it as [K, N]), the bias, the nodes it replaces."""
+
+    out: fx.Node
+    x: fx.Node
+    weight: fx.Node
+    transposed: bool
+    bias: fx.Node | None
+    replaced: tuple[fx.Node, ...]
+
+
+_CASTS = ("to", "float", "bfloat16", "half", "type_as")
+
+
+def _weight(node: object) -> bool:
+    """A 2-d float parameter of a module, or a cast of one (the gather emulation casts masters at their use)."""
+    value = node_value(node) if isinstance(node, fx.Node) else None
+    if not (isinstance(node, fx.Node) and isinstance(value, torch.Tensor) and value.dim() == 2 and value.is_floating_point()):
+        return False
+    while node.op == "call_method" and node.target in _CASTS and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    lifted = node.op == "placeholder" and "_parameters_" in str(node.target)  # Dynamo's name for a module's parameter
+    return lifted or node.op == "get_attr" or isinstance(node_value(node), torch.nn.Parameter)
+
+
+def _transposed_weight(node: object) -> fx.Node | None:
+    """``w`` when ``node`` is ``w.T``, ``w.t()`` or ``w.transpose(0, 1)`` of a 2-d weight."""
+    if not isinstance(node, fx.Node) or not node.args:
+        return None
+    base = node.args[0]
+    if node.op == "call_function" and node.target is getattr and node.args[1:] == ("T",) and _weight(base):
+        return base  # type: ignore[return-value]
+    if node.op == "call_method" and node.target == "t" and _weight(base):
+        return base  # type: ignore[return-value]
+    if node.op == "call_method" and node.target == "transpose" and set(node.args[1:]) in ({0, 1}, {-1, -2}) and _weight(base):
+        return base  # type: ignore[return-value]
+    return None
+
+
+def _bias_of(node: fx.Node, width: int) -> tuple[fx.Node, fx.Node] | None:
+    """(the add, the bias) when a product's only use is ``+ b`` with a 1-d bias of its width (FalconLinear)."""
+    users = list(node.users)
+    if len(users) != 1 or not _is(users[0], _ADD, "add") or len(users[0].args) != 2 or users[0].kwargs:
+        return None
+    add = users[0]
+    other = add.args[1] if add.args[0] is node else add.args[0]
+    value = node_value(other) if isinstance(other, fx.Node) else None
+    if isinstance(value, torch.Tensor) and value.dim() == 1 and value.shape[0] == width and isinstance(other, fx.Node):
+        return add, other
+    return None
+
+
+def linear_forms(gm: fx.GraphModule) -> list[LinearForm]:
+    """Every linear of the graph: ``F.linear(x, w, b)``, ``x @ w.T`` (+ b), ``addmm(b, x, w)`` (GPT-2's Conv1D)."""
+    forms = []
+    for node in gm.graph.nodes:
+        linear = _is(node, _LINEAR) and len(node.args) >= 2 and isinstance(node.args[0], fx.Node)
+        if linear and isinstance(node_value(node.args[1]), torch.Tensor):
+            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
+            forms.append(LinearForm(node, node.args[0], node.args[1], False, bias if isinstance(bias, fx.Node) else None, (node,)))
+        elif _is(node, {torch.matmul, operator.matmul}, "matmul") and len(node.args) == 2 and isinstance(node.args[0], fx.Node):
+            weight = _transposed_weight(node.args[1])
+            if weight is None:
+                continue
+            width = node_value(weight).shape[0]  # type: ignore[union-attr]
+            added = _bias_of(node, width)
+            if added is not None:
+                forms.append(LinearForm(added[0], node.args[0], weight, False, added[1], (added[0], node)))
+            else:
+                forms.append(LinearForm(node, node.args[0], weight, False, None, (node,)))
+        elif _is(node, {torch.addmm}, "addmm") and len(node.args) == 3 and not node.kwargs and _weight(node.args[2]):
+            bias, x = node.args[0], node.args[1]
+            if isinstance(x, fx.Node) and isinstance(bias, fx.Node) and getattr(node_value(bias), "dim", lambda: 0)() == 1:
+                forms.append(LinearForm(node, x, node.args[2], True, bias, (node,)))  # type: ignore[arg-type]
+    return forms
+
+
+def _engine_width(form: LinearForm, forms: list[LinearForm]) -> int:
+    """The output width of the engine GEMM this linear may be part of: engines fuse the linears that read one input
+    (q, k and v into qkv; gate and up into gate_up), so their summed width (0 where it reads its input alone). The op
+    falls back to the linear's own width where the engine read no call of the summed one (parallel blocks)."""
+    siblings = [f for f in forms if f.x is form.x]
+    if len(siblings) < 2:
+        return 0
+    widths = [node_value(f.weight).shape[1 if f.transposed else 0] for f in siblings]  # type: ignore[union-attr]
+    return int(sum(widths))
+
+
 def engine_linears(contract: EngineContract) -> Callable[[fx.GraphModule, PassContext], list[InsertedCast]]:
-    shapes = set(contract.small_batch_shapes)
+    """Every linear becomes ``fxp_engine.linear``: each row summed in the order of the engine call that computed it
+    (the output projection's rows by the logits calls, every other linear's by the forward steps)."""
 
     def rewrite(gm: fx.GraphModule, ctx: PassContext) -> list[InsertedCast]:
         done = []
-        for node in list(gm.graph.nodes):
-            if not _is(node, {torch.nn.functional.linear, torch._C._nn.linear}) or len(node.args) < 2:
-                continue
-            x, weight = node.args[0], node.args[1]
-            bias = node.args[2] if len(node.args) > 2 else node.kwargs.get("bias")
-            wv = node_value(weight)
-            if not isinstance(wv, torch.Tensor) or tuple(wv.shape) not in shapes:
-                continue
-            kind = 1 if _reaches_output(node) else 0
-            graph = gm.graph
-            with graph.inserting_before(node):
-                casts = [graph.call_method("to", (t, torch.bfloat16)) for t in (x, weight)]
-                b = graph.call_method("to", (bias, torch.bfloat16)) if isinstance(bias, fx.Node) else None
-                new = graph.call_function(torch.ops.fxp_engine.linear.default, (casts[0], casts[1], b, kind))
-            for created in [*casts, *([b] if b is not None else []), new]:
-                _copy_meta(created, node)
-            node.replace_all_uses_with(new)
-            graph.erase_node(node)
-            role = "the logits" if kind else "a body linear"
-            done.append(
-                _record(
-                    new, x, f"{role}: the engine's small-batch kernel on the rows it computed in batches of <= {contract.small_batch_rows}"
-                )
+        forms = linear_forms(gm)
+        if forms and not contract.linears.calls:
+            where = module_path(forms[0].out) or "<root>"
+            raise PrecisionError(
+                f"engine contract ({contract.engine} {contract.version or ''}): the graph computes linears ({where}, ...) and the "
+                "contract holds no summation order for any engine linear call (its rollout read none, or predates them): the "
+                "engine's GEMM sums in an order that depends on each call's rows, which a contract must read off the engine. "
+                "Roll out again with fx-precision rollout of this version"
             )
+        widths = [_engine_width(f, forms) for f in forms]
+        graph = gm.graph
+        for form, width in zip(forms, widths, strict=True):
+            logits = _reaches_output(form.out)
+            with graph.inserting_before(form.out):
+                weight = graph.call_method("t", (form.weight,)) if form.transposed else form.weight
+                casts = [graph.call_method("to", (t, torch.bfloat16)) for t in (form.x, weight)]
+                b = graph.call_method("to", (form.bias, torch.bfloat16)) if form.bias is not None else None
+                new = graph.call_function(
+                    torch.ops.fxp_engine.linear.default, (casts[0], casts[1], b, logits, width, module_path(form.out))
+                )
+            made = [*casts, *([b] if b is not None else []), *([weight] if form.transposed else []), new]
+            for created in made:
+                _copy_meta(created, form.out)
+            form.out.replace_all_uses_with(new)
+            for old in form.replaced:
+                graph.erase_node(old)
+            role = "the logits" if logits else "a body linear"
+            fused = f" (part of the engine's {width}-wide GEMM)" if width else ""
+            done.append(_record(new, form.x, f"{role}{fused}: each row summed in the order of the engine call that computed it"))
         if done:
+            graph.eliminate_dead_code()
             gm.recompile()
         return done
 
@@ -450,6 +552,12 @@ def _rotation_left(node: fx.Node) -> bool:
     return False
 
 
+def _weight_gemm(node: fx.Node) -> bool:
+    """A matrix product with a weight operand that the linear rewrite left (another form than it takes)."""
+    gemm = _is(node, {*_MATMUL, torch.mm, torch.addmm}) or (node.op == "call_method" and node.target in (*_MATMUL_METHODS, "mm"))
+    return gemm and any(_weight(a) or _transposed_weight(a) is not None for a in node.args if isinstance(a, fx.Node))
+
+
 def engine_coverage(contract: EngineContract) -> Callable[[fx.GraphModule, PassContext], list[InsertedCast]]:
     """Refuse a graph that still computes what the engine runs with kernels the contract does not
     follow: eager softmax attention (soft-capping, ALiBi), interleaved or written-out rotary, MoE
@@ -461,6 +569,9 @@ def engine_coverage(contract: EngineContract) -> Callable[[fx.GraphModule, PassC
         for node in gm.graph.nodes:
             if _eager_attention(node):
                 left.append(f"attention computed as matmul + softmax at {module_path(node) or '<root>'} ({source_line(node) or node.name})")
+            elif _weight_gemm(node):
+                left.append(f"a linear written as {node.target} at {module_path(node) or '<root>'} ({source_line(node) or node.name}): "
+                            "the engine's GEMM order is followed for F.linear, x @ w.T and addmm only")  # fmt: skip
             elif _is(node, {torch.topk}, "topk"):
                 where = module_path(node) or "<root>"
                 left.append(f"mixture-of-experts routing (topk) at {where}: the engine's fused-experts kernel is not followed")
@@ -609,8 +720,7 @@ def engine_rewrites(contract: EngineContract) -> list[GraphRewrite]:
     if contract.rotary == "kernel":
         rewrites.append(GraphRewrite("engine-rotary", engine_rotary(contract)))
     rewrites.append(GraphRewrite("engine-attention", engine_attention(contract)))
-    if contract.small_batch_rows:
-        rewrites.append(GraphRewrite("engine-linears", engine_linears(contract)))
+    rewrites.append(GraphRewrite("engine-linears", engine_linears(contract)))
     rewrites.append(GraphRewrite("engine-eager-math", engine_eager_math))
     rewrites.append(GraphRewrite("engine-coverage", engine_coverage(contract)))
     return rewrites
