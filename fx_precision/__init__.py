@@ -51,6 +51,7 @@ _EXPORTS: dict[str, str] = {
     "Side": "fx_precision.compare",
     "make_precision_backend": "fx_precision.backend",
     "eager_casts": "fx_precision.eager_fix",
+    "apply_eager_fix": "fx_precision.eager_fix",
     "EagerFix": "fx_precision.eager_fix",
     "EagerHook": "fx_precision.eager_fix",
     "precision_backend": "fx_precision.backend",

@@ -30,7 +30,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import copy_graph_module
-from fx_precision.passes.context import GraphRewrite, Mode, PassContext
+from fx_precision.passes.context import GraphRewrite, GraphSetup, Mode, PassContext
 from fx_precision.passes.graph.annotate import param_names
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.kinds import CastKind, ParamKind, severity_rank
@@ -211,7 +211,7 @@ class PrecisionBackend:
                 )
 
     def _context(self, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str) -> PassContext:
-        return PassContext(compute, device_type, self.units, example_inputs=example_inputs, index=index, emulate=self.plan is not None)
+        return GraphSetup(compute, device_type, self.units).context(example_inputs, index, emulate=self.plan is not None)
 
     def _inner_config(self) -> contextlib.AbstractContextManager[Any]:
         """Under an engine contract Inductor keeps every cast the graph holds (emulate_precision_casts):

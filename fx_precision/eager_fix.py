@@ -43,7 +43,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.passes.analysis import copy_graph_module
 from fx_precision.passes.capture import ModuleIO, capture_graphs, fake_forward_io
-from fx_precision.passes.context import Mode, PassContext
+from fx_precision.passes.context import Mode
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.kinds import CastKind
 from fx_precision.passes.graph.nodes import module_path, node_value, op_name
@@ -181,7 +181,7 @@ def eager_casts(
     runs = []
     for i, cap in enumerate(captured):
         gm = copy_graph_module(cap.gm)
-        ctx = PassContext(setup.compute, setup.device_type, setup.units, cap.example_inputs, names, i, plan is not None, setup.fsdp_cast)
+        ctx = setup.context(cap.example_inputs, i, names=names, emulate=plan is not None)
         runs.append((gm, run_pipeline(gm, ctx, Mode.CASTS)))
     hooked = (CastKind.SOURCE_OUTPUT, CastKind.SOURCE_OPERAND, CastKind.COVERED)
     subjects = {c.of for _, r in runs for c in r.casts if c.kind in hooked}
@@ -201,6 +201,19 @@ def eager_casts(
                 fix.compile_only.append((cast, why))
     fix.hooks = _collapse(fix.hooks, [fqn for fqn, _ in model.named_modules()])
     return fix
+
+
+def apply_eager_fix(
+    policy: PrecisionPolicy, model: nn.Module, *example_args: Any, plan: PrecisionPlan | None = None, **example_kwargs: Any
+) -> EagerFix:
+    """Derive the backend's casts for ``model`` under ``policy`` (``eager_casts``) and register them as forward
+    hooks; returns the handle (``.remove()`` takes them off). Derive on the plain model (meta works) before
+    ``apply_fsdp2``, or after: FQNs do not change under ``fully_shard``."""
+    from fx_precision.lowering import compile_precision
+
+    if plan is None:
+        plan = compile_precision(model, policy.spec, default_gather=policy.gather, default_master=policy.master)
+    return eager_casts(model, *example_args, policy=policy, plan=plan, **example_kwargs).apply(model)
 
 
 def _finding_text(cast: InsertedCast, findings: list[Any]) -> str:

@@ -29,7 +29,7 @@ from fx_precision.fsdp import fsdp_units
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import GraphAnalysis, copy_graph_module
 from fx_precision.passes.capture import capture_graphs
-from fx_precision.passes.context import Mode, PassContext
+from fx_precision.passes.context import GraphSetup, Mode
 from fx_precision.passes.graph.kinds import Severity, severity_rank
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.passes.pipeline import run_pipeline
@@ -180,16 +180,6 @@ def _units_for(plan: PrecisionPlan | None, wrapped: list[tuple[str, Any]]) -> Un
     return UnitIndex.from_units({"": None})
 
 
-@dataclass(frozen=True)
-class GraphSetup:
-    """How a model's graphs are analysed: the compute dtype, whose autocast lists, units, FSDP2 re-cast."""
-
-    compute: torch.dtype | None
-    device_type: str
-    units: UnitIndex
-    fsdp_cast: bool | None
-
-
 def graph_setup(model: nn.Module, policy: PrecisionPolicy | None, plan: PrecisionPlan | None, device_type: str | None) -> GraphSetup:
     """The compute dtype (the policy's, else the ambient autocast) and device type, checked; the units
     (plan, else the model's FSDP2 units, else the root); whether FSDP2 re-casts unit inputs."""
@@ -243,16 +233,7 @@ def lint(
         )
     report = LintReport(compute, device_type)
     for i, cap in enumerate(captured):
-        ctx = PassContext(
-            compute,
-            device_type,
-            setup.units,
-            example_inputs=cap.example_inputs,
-            known_names=names,
-            index=i,
-            emulate=plan is not None,
-            fsdp_cast_inputs=setup.fsdp_cast,
-        )
+        ctx = setup.context(cap.example_inputs, i, names=names, emulate=plan is not None)
         # every round on a copy: the findings of the graph as traced, then the masked ones
         report.graphs.append(run_pipeline(copy_graph_module(cap.gm), ctx, Mode.REPORT).report_analysis())
     return report

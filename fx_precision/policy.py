@@ -34,7 +34,6 @@ from fx_precision.spec import PrecisionSpec
 
 if TYPE_CHECKING:
     from fx_precision.contract import EngineContract
-    from fx_precision.eager_fix import EagerFix
 
 
 @dataclass(frozen=True)
@@ -74,15 +73,6 @@ class PrecisionPolicy:
     def plan(self, model: nn.Module, wrap: Sequence[str] = ()) -> PrecisionPlan:
         """Compile this policy's spec onto ``model`` (gather default = ``gather``)."""
         return compile_precision(model, self.spec, default_gather=self.gather, default_master=self.master, wrap=wrap)
-
-    def apply_eager_fix(self, model: nn.Module, *example_args: Any, plan: PrecisionPlan | None = None, **example_kwargs: Any) -> EagerFix:
-        """Derive the backend's casts for ``model`` under this policy (``fxp.eager_casts``) and register
-        them as forward hooks; returns the handle (``.remove()`` takes them off). Derive on the plain
-        model (meta works) before ``apply_fsdp2``, or after: FQNs do not change under ``fully_shard``."""
-        from fx_precision.eager_fix import eager_casts
-
-        plan = plan if plan is not None else self.plan(model)
-        return eager_casts(model, *example_args, policy=self, plan=plan, **example_kwargs).apply(model)
 
     def forward_context(self, device_type: str | torch.device = "cpu") -> contextlib.AbstractContextManager[Any]:
         """``torch.autocast`` at the compute dtype on ``device_type`` (cpu / cuda), or a no-op."""

@@ -53,7 +53,8 @@ def test_every_exported_name_resolves() -> None:
 
 
 def _module_imports() -> dict[str, set[str]]:
-    """fx_precision module -> the fx_precision modules it imports at module level (TYPE_CHECKING blocks excluded)."""
+    """fx_precision module -> the fx_precision modules it imports, at module level or inside a function (a deferred
+    import is still an edge: deferring one to dodge a circle hides the circle); TYPE_CHECKING blocks excluded."""
     import ast
     from pathlib import Path
 
@@ -65,16 +66,16 @@ def _module_imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, path in modules.items():
         tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):  # type hints only: no import at run time
+            if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+                node.body = []
         found: set[str] = set()
-        for stmt in tree.body:  # module level only: a function-level import is a deliberate deferral
-            if isinstance(stmt, ast.If) and "TYPE_CHECKING" in ast.unparse(stmt.test):
-                continue
-            for node in ast.walk(stmt) if not isinstance(stmt, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)) else ():
-                if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fx_precision"):
-                    targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-                    found |= {t for t in targets if t in modules}
-                elif isinstance(node, ast.Import):
-                    found |= {a.name for a in node.names if a.name in modules}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("fx_precision"):
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+                found |= {t for t in targets if t in modules}
+            elif isinstance(node, ast.Import):
+                found |= {a.name for a in node.names if a.name in modules}
         graph[name] = found - {name}
     return graph
 

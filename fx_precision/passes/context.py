@@ -1,6 +1,8 @@
 """What every pass of one graph reads: the mode the pipeline runs in, the context, the rewrites a caller adds.
 
     Mode          REPORT (lint: a throw-away graph) | REWRITE (the graph compiled) | CASTS (eager_casts)
+    GraphSetup    how a model's graphs are analysed (compute dtype, device type, units, FSDP2 re-cast)
+                  └── context(...)  the one way a PassContext is made (lint, the backend, eager_casts)
     PassContext   compute dtype, device type, units, example inputs, names, graph index, emulation
                   └── analyse(gm)   the one analysis every step calls
     GraphRewrite  (name, apply(gm, ctx) -> [InsertedCast])   pipeline step 5 (the engine contract)
@@ -28,6 +30,23 @@ class Mode(enum.Enum):
     REPORT = "report"  # analyse and fix on a throw-away graph: findings of every round
     REWRITE = "rewrite"  # the graph is the one compiled: every rewrite applies, then verify
     CASTS = "casts"  # every rewrite on a throw-away graph, no verify: the casts are what is wanted (eager_casts)
+
+
+@dataclass(frozen=True)
+class GraphSetup:
+    """How a model's graphs are analysed: the compute dtype, whose autocast lists, units, FSDP2 re-cast."""
+
+    compute: torch.dtype | None
+    device_type: str
+    units: UnitIndex
+    fsdp_cast: bool | None = None
+
+    def context(
+        self, example_inputs: list[Any] | None, index: int, *, names: dict[int, tuple[str, str]] | None = None, emulate: bool = False
+    ) -> PassContext:
+        """The context of graph ``index`` (its example inputs, the parameter names the capture found): every pass
+        of that graph reads it. ``emulate``: a plan on one device, so gathers are cast at use."""
+        return PassContext(self.compute, self.device_type, self.units, example_inputs, names, index, emulate, self.fsdp_cast)
 
 
 @dataclass

@@ -32,7 +32,7 @@ from torch import nn
 
 from fx_precision.dtypes import dtype_name, parse_dtype
 from fx_precision.errors import PrecisionError
-from fx_precision.tools.zoo import require_transformers
+from fx_precision.tools.hf import require_transformers
 
 MAX_LAYERS = 1024  # more than any published decoder (the deepest have ~160); a typo in a config otherwise never answers
 MAX_SIZE = 1 << 24  # per dimension: vocabularies and widths of published models are far below 16M

@@ -22,17 +22,8 @@ import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
+from fx_precision.tools.hf import require_transformers
 from fx_precision.tools.toy_decoder import ToyDecoder
-
-HF_INSTALL_HINT = "pip install 'fx_precision[hf]' (or: pip install transformers)"
-
-
-def require_transformers() -> Any:
-    try:
-        import transformers
-    except ImportError as exc:  # transformers is an optional extra
-        raise PrecisionError(f"this model needs the transformers package: {HF_INSTALL_HINT}") from exc
-    return transformers
 
 
 def qwen3_5_config(name: str) -> Any:

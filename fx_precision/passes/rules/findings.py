@@ -122,7 +122,7 @@ def _input_cause(info: NodeInfo, fsdp_cast_inputs: bool | None) -> str:
         return "FSDP2 cast_forward_inputs=True re-cast this unit's inputs to its gather dtype; under autocast set cast_forward_inputs=False"
     return (
         "a tensor made outside this graph: a module run eagerly before this compiled block (an embedding, a norm) emitted it "
-        "wide; fxp.eager_casts(model, ...) / policy.apply_eager_fix(model, ...) derives the hook that narrows it where it is "
+        "wide; fxp.eager_casts(model, ...) / fxp.apply_eager_fix(policy, model, ...) derives the hook that narrows it where it is "
         "made (under FSDP2 with cast_forward_inputs=True, the unit's boundary re-cast does the same: set it False under autocast)"
     )
 
