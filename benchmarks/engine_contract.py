@@ -115,10 +115,10 @@ def step_times(checkpoint: Path, dump_dir: Path | None, steps: int) -> dict[str,
     computed it (the dump's row plan), as an RL trainer's recompute does."""
     import fx_precision as fxp
     from fx_precision.backend import make_precision_backend
+    from fx_precision.checkpoints import load_checkpoint
     from fx_precision.contract import contract_of_dump
     from fx_precision.contract.batch_rows import EngineRows, engine_rows, row_plans
     from fx_precision.dump import load_dump
-    from fx_precision.tools.checkpoint import load_checkpoint
 
     dump = load_dump(str(dump_dir)) if dump_dir is not None else None
     if dump is None or isinstance(dump, dict):

@@ -31,6 +31,7 @@ _EXPORTS: dict[str, str] = {
     "Rule": "fx_precision.spec",
     "parse_precision_rules": "fx_precision.spec",
     "PrecisionError": "fx_precision.errors",
+    "precision_error_in": "fx_precision.errors",
     "PrecisionPlan": "fx_precision.plan",
     "UnitPlan": "fx_precision.plan",
     "compile_precision": "fx_precision.lowering",
@@ -55,6 +56,20 @@ _EXPORTS: dict[str, str] = {
     "EagerFix": "fx_precision.eager_fix",
     "EagerHook": "fx_precision.eager_fix",
     "precision_backend": "fx_precision.backend",
+    # the engine contract, the training side and the engine process, for users who bring their own loop
+    "EngineContract": "fx_precision.contract",
+    "RunConfig": "fx_precision.training_side",
+    "TrainingSide": "fx_precision.training_side",
+    "build_training_side": "fx_precision.training_side",
+    "contract_policy": "fx_precision.training_side",
+    "token_logprobs": "fx_precision.logprobs",
+    "row_plans": "fx_precision.contract.batch_rows",
+    "EngineRows": "fx_precision.contract.batch_rows",
+    "engine_rows": "fx_precision.contract.batch_rows",
+    "RolloutConfig": "fx_precision.engines.adapter",
+    "EngineProcess": "fx_precision.engines.client",
+    "engine_python": "fx_precision.engines.client",
+    "tensors_digest": "fx_precision.checkpoints",
 }
 __all__ = sorted(_EXPORTS)
 _CALLABLE_MODULES = ("census", "lint", "dump", "compare")  # a module named like its function, callable as it

@@ -176,6 +176,12 @@ class PrecisionBackend:
         start = time.perf_counter()
         device_type = graph_device_type(gm)
         compute, note = self._compute(device_type)
+        if self.policy is not None and self.policy.contract is not None and self.mode != "off" and compute != self.policy.compute:
+            raise PrecisionError(
+                f"precision_backend: the engine contract computes at bf16 and this graph was traced "
+                f"{'without autocast' if compute is None else 'under ' + dtype_name(compute) + ' autocast'}: nothing of the contract "
+                "would run. Call the compiled model under policy.forward_context()"
+            )
         report = GraphReport(len(self.reports), self.mode, compute, note=note)
         self.reports.append(report)
         if self.plan is not None:

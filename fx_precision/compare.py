@@ -45,6 +45,7 @@ from fx_precision.callable_module import make_callable
 from fx_precision.dtypes import dtype_name, parse_dtype
 from fx_precision.dump import Dump, DumpRecorder, Record, Sequence, join_ranks, load_dump
 from fx_precision.errors import PrecisionError
+from fx_precision.logprobs import token_logprobs
 from fx_precision.module_graph import module_label
 
 BANDS = (("identical", 0.0), ("equivalent", 1e-5), ("minor", 1e-3), ("large", 1e-1), ("severe", float("inf")))
@@ -113,7 +114,7 @@ def _non_finite(t: torch.Tensor) -> tuple[torch.Tensor, str]:
 def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
     x, y = a.tensor, b.tensor
     assert x is not None and y is not None
-    common = {"fqn": a.fqn, "call": a.call, "io": a.io, "path": a.path, "dtype_a": a.dtype, "dtype_b": b.dtype}
+    common: dict[str, Any] = {"fqn": a.fqn, "call": a.call, "io": a.io, "path": a.path, "dtype_a": a.dtype, "dtype_b": b.dtype}
     common |= {"shape_a": a.shape, "shape_b": b.shape}
     if x.shape != y.shape:
         return TensorDiff(
@@ -202,7 +203,7 @@ class Comparison:
     only_a: list[tuple[str, int, str, str]]
     only_b: list[tuple[str, int, str, str]]
     first_op: OpDiff | None = None
-    logprob: dict[str, float] | None = None
+    logprob: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
     @property
@@ -518,7 +519,7 @@ def _drill_down_on_engine_inputs(origin: CallDiff, da: Dump, db: Dump) -> OpDiff
             module_label(origin.fqn),
             index,
             name,
-            f"{db.engine.get('name', 'engine')} (recorded output)",
+            f"{(db.engine or {}).get('name', 'engine')} (recorded output)",
             dtype_name(made.dtype),
             dtype_name(want.dtype),
             _rel(made.double().reshape(-1), target.double()),
@@ -589,12 +590,6 @@ class LogprobView:
     origin: str
 
 
-def next_token_logprobs(logits: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """[B, T-1]: fp32 ``log_softmax`` of the logits as they are (bf16 under autocast) at each next token,
-    what vLLM's sampler returns for a sampled or prompt token."""
-    return torch.log_softmax(logits[:, :-1].float(), -1).gather(-1, ids[:, 1:].long().unsqueeze(-1)).squeeze(-1)
-
-
 def logprob_view(dump: Dump) -> LogprobView | None:
     """Recorded log-probs (an engine's), else ``log_softmax(logits.float())`` of the root's logits at
     the root's token ids (each batch row one sequence, all prompt), else None."""
@@ -611,7 +606,7 @@ def logprob_view(dump: Dump) -> LogprobView | None:
     logits, ids = _root_logits_and_ids(dump)
     if logits is None or ids is None or logits.dim() != 3 or ids.dim() != 2 or tuple(ids.shape) != tuple(logits.shape[:2]):
         return None
-    lp = next_token_logprobs(logits, ids)
+    lp = token_logprobs(logits, ids)
     sequences = [Sequence(tuple(int(t) for t in row), len(row)) for row in ids.tolist()]
     return LogprobView(sequences, [row.double() for row in lp], int(logits.shape[-1]), "from the root's logits")
 

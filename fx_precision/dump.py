@@ -39,9 +39,9 @@ import os
 import pickle
 import shutil
 import threading
-import uuid
 import zipfile
 from collections import Counter
+from collections.abc import Sequence as Seq
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ from fx_precision.callable_module import make_callable
 from fx_precision.census import iter_tensors
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
+from fx_precision.out_dirs import check_out_dir, replace_dir, staging_path
 
 DUMP_VERSION = 2
 READABLE_VERSIONS = (1, 2)
@@ -148,7 +149,7 @@ class Dump:
         root = Path(out) / f"rank{self.rank}" if self.world_size > 1 else Path(out)
         check_out_path(root, overwrite=overwrite)
         root.parent.mkdir(parents=True, exist_ok=True)
-        staging = root.parent / f".{root.name}.writing-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        staging = staging_path(root)
         try:
             (staging / "tensors").mkdir(parents=True)
             entries = []
@@ -174,58 +175,39 @@ class Dump:
                 "records": entries,
             }
             (staging / MANIFEST).write_text(json.dumps(manifest, indent=1, allow_nan=False))
-            replace_dump(staging, root)
+            replace_dir(staging, root)
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)
             raise
         return root
 
 
-def replace_dump(staging: Path, root: Path) -> None:
-    """``staging`` becomes ``root``; an old dump at ``root`` is moved aside first and removed after
-    (between the two renames neither is at ``root``: never a mix)."""
-    old = None
-    if root.exists():
-        old = root.parent / f".{root.name}.old-{uuid.uuid4().hex[:8]}"
-        os.replace(root, old)
-    os.replace(staging, root)
-    if old is not None:
-        shutil.rmtree(old, ignore_errors=True)
+def is_dump_dir(root: Path) -> bool:
+    """A dump directory (its manifest), or one of rank directories."""
+    return (root / MANIFEST).exists() or any(p.name.startswith("rank") and (p / MANIFEST).exists() for p in root.iterdir())
 
 
-def check_out_path(out: str | os.PathLike[str], *, overwrite: bool) -> Path:
-    """Refuse, before anything runs, an output path a dump cannot be written to whole.
-
-    Fine: a new path whose parent can be created or written, an empty directory, or an existing
-    dump with ``overwrite``. Refused: an empty path, a file, a directory holding anything but a
-    dump, a dump without ``overwrite``, an unwritable place.
-    """
-    if str(out).strip() == "":
-        raise PrecisionError("--out is empty; name the dump directory to write")
-    root = Path(out)
-    if root.exists() and not root.is_dir():
-        raise PrecisionError(f"--out {root}: a file is there; a dump is a directory. Pick another path")
-    if root.is_dir() and any(root.iterdir()):
-        is_dump = (root / MANIFEST).exists() or any(p.name.startswith("rank") and (p / MANIFEST).exists() for p in root.iterdir())
-        if not is_dump:
-            raise PrecisionError(
-                f"--out {root}: the directory holds files that are not a dump; refusing to replace them. Pick another path"
-            )
-        if not overwrite:
-            raise PrecisionError(
-                f"--out {root} holds a dump already; pass --overwrite (overwrite=True) to replace it whole, or pick another path"
-            )
-    parent = root.parent
-    while not parent.exists() and parent != parent.parent:
-        parent = parent.parent
-    if not os.access(parent, os.W_OK | os.X_OK):
-        raise PrecisionError(f"--out {root}: {parent} is not writable; pick a directory you can write to")
-    return root
+def check_out_path(out: str | os.PathLike[str], *, overwrite: bool, sources: Seq[str | os.PathLike[str]] = ()) -> Path:
+    """Refuse, before anything runs, a dump path that cannot be written whole (``out_dirs.check_out_dir``: a file, a
+    directory holding anything but a dump, a dump without ``overwrite``, an unwritable place, the path of one of
+    ``sources`` or of the working directory); stale staging siblings of dead writers are removed."""
+    return check_out_dir(out, kind="dump", overwrite=overwrite, replaceable=is_dump_dir, sources=sources)
 
 
 # ---------------------------------------------------------------------------------------------
 # reading
 # ---------------------------------------------------------------------------------------------
+
+
+def is_engine_dump(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` holds a dump an engine wrote (its manifest records how the engine ran)."""
+    manifest = Path(path) / MANIFEST
+    if not manifest.is_file():
+        return False
+    try:
+        return bool(json.loads(manifest.read_text()).get("engine"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, AttributeError):
+        return False
 
 
 def load_dump(path: str | os.PathLike[str]) -> Dump | dict[int, Dump]:
@@ -307,7 +289,7 @@ def _load_one(root: Path) -> Dump:
             autocast=data.get("autocast"),
             engine=data.get("engine"),
             contract=data.get("contract"),
-            sequences=[Sequence(tuple(int(t) for t in s["tokens"]), int(s["prompt_len"])) for s in data.get("sequences") or []],
+            sequences=[_sequence(s, i, manifest_path) for i, s in enumerate(data.get("sequences") or [])],
         )
         for entry in data["records"]:
             shard = Shard(**entry["shard"]) if entry.get("shard") else None
@@ -326,6 +308,78 @@ def _load_one(root: Path) -> Dump:
             raise
         raise PrecisionError(f"dump {manifest_path}: malformed manifest ({type(exc).__name__}: {exc}); write the dump again") from None
     return dump
+
+
+def _integer(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _sequence(data: Any, index: int, manifest: Path) -> Sequence:
+    if not isinstance(data, dict) or not isinstance(data.get("tokens"), list) or not _integer(data.get("prompt_len")):
+        raise PrecisionError(f"dump {manifest}: sequences[{index}] is not {{tokens: [ids], prompt_len: int}}")
+    tokens = data["tokens"]
+    bad = next((t for t in tokens if not _integer(t) or t < 0), None)
+    if bad is not None or not tokens:
+        raise PrecisionError(f"dump {manifest}: sequences[{index}].tokens holds {bad!r}, not a token id (a non-negative integer)")
+    if not 1 <= data["prompt_len"] <= len(tokens):
+        raise PrecisionError(f"dump {manifest}: sequences[{index}].prompt_len {data['prompt_len']} is outside its {len(tokens)} tokens")
+    return Sequence(tuple(tokens), int(data["prompt_len"]))
+
+
+ENGINE_FIELDS: dict[str, tuple[type, ...]] = {  # what every engine dump records, and its type
+    "name": (str,), "version": (str,), "threads": (int,), "split_kv": (bool,), "weights": (str,), "temperature": (int, float),
+    "seed": (int,), "steps": (list,), "logits_calls": (list,),
+}  # fmt: skip
+
+
+def check_engine_dump(dump: Dump) -> None:
+    """An engine's dump read against itself; any contradiction is one error naming the field, before anything runs:
+
+    engine       every field a comparison reads, of its type (threads >= 1; steps [[position, token], ...] per
+                 forward; logits calls [step, rows])
+    log-probs    one record per sequence, each with one value per token but the first
+    sequences    the tokens the engine's recorded steps fed (every row but the last sampled token, which is never
+                 fed): a token edited in the sequences and not in the steps, or a sequence moved, is caught here
+    """
+    from fx_precision.contract.batch_rows import steps_of
+
+    engine = dump.engine
+    if not isinstance(engine, dict):
+        raise PrecisionError(f"dump {dump.source}: not an engine dump (no engine record)")
+    for key, kinds in ENGINE_FIELDS.items():
+        value = engine.get(key)
+        if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
+            shown = f"{value!r}"[:120]
+            raise PrecisionError(f"dump {dump.source}: engine.{key} = {shown}; an engine dump records it as {kinds[0].__name__}")
+    if engine.get("logprobs", "raw") not in ("raw", "processed"):
+        raise PrecisionError(f"dump {dump.source}: engine.logprobs = {engine.get('logprobs')!r}; raw or processed")
+    if engine["threads"] < 1:
+        raise PrecisionError(f"dump {dump.source}: engine.threads = {engine['threads']}; at least 1")
+    steps = engine["steps"]
+    for i, rows in enumerate(steps):
+        if not isinstance(rows, list) or any(not (isinstance(r, list) and len(r) == 2 and all(map(_integer, r))) for r in rows):
+            raise PrecisionError(f"dump {dump.source}: engine.steps[{i}] is not a list of [position, token] pairs")
+    for i, call in enumerate(engine["logits_calls"]):
+        if not (isinstance(call, list) and len(call) == 2 and all(map(_integer, call)) and 0 <= call[0] < len(steps) and call[1] >= 1):
+            raise PrecisionError(f"dump {dump.source}: engine.logits_calls[{i}] = {call!r} is not [a step, rows]"[:200])
+    records = dump.logprob_records()
+    if len(records) != len(dump.sequences):
+        raise PrecisionError(f"dump {dump.source}: {len(records)} log-prob records for {len(dump.sequences)} sequences; one each")
+    for i, (sequence, record) in enumerate(zip(dump.sequences, records, strict=True)):
+        if record.path != f"seq[{i}]" or record.tensor is None or tuple(record.tensor.shape) != (len(sequence.tokens) - 1,):
+            shape = tuple(record.tensor.shape) if record.tensor is not None else None
+            raise PrecisionError(
+                f"dump {dump.source}: log-prob record {record.path} holds {shape} values; sequence {i} has {len(sequence.tokens)} tokens, "
+                f"so {len(sequence.tokens) - 1} (every token but the first)"
+            )
+    fed = steps_of(dump.sequences, [[(int(p), int(t)) for p, t in rows] for rows in steps])
+    for i, found in enumerate(fed):
+        missing = next((r for r, step in enumerate(found[:-1]) if step is None), None)
+        if missing is not None:
+            raise PrecisionError(
+                f"dump {dump.source}: sequences[{i}] token {missing} ({dump.sequences[i].tokens[missing]}) at position {missing} is in no "
+                "step the engine ran (engine.steps): the sequences are not the ones the engine fed"
+            )
 
 
 def _load_tensor(root: Path, record: Record) -> torch.Tensor:

@@ -291,7 +291,7 @@ def _collapse(hooks: list[EagerHook], names: list[str]) -> list[EagerHook]:
         everywhere = {m.modules for m in members} == {n for n in names if _glob(glob).fullmatch(n)}
         if len(members) > 1 and glob != members[0].modules and everywhere:
             fixes = members[0].fixes if len({m.fixes.split(" at ")[0] for m in members}) == 1 else "several findings"
-            out.append(EagerHook(glob, path, frm, to, kind, _INDEX.sub("*", fixes), exact))
+            out.append(EagerHook(glob, path, frm, to, CastKind(kind), _INDEX.sub("*", fixes), exact))
         else:
             out.extend(members)
     return out

@@ -153,8 +153,8 @@ def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
         with _reparametrize_module(model, cast, tie_weights=True):
             return original(*args, **kwargs)
 
-    model.forward = forward  # type: ignore[method-assign]
+    model.forward = forward
     try:
         yield
     finally:
-        model.forward = original  # type: ignore[method-assign]
+        model.forward = original

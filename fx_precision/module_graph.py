@@ -18,6 +18,7 @@ order is a post-order of the object graph (every module after everything it cont
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 import torch
@@ -136,7 +137,7 @@ class ModuleGraph:
             if buffer is not None
         ]
 
-    def nearest(self, chosen: dict[int, object] | set[int]) -> dict[int, int]:
+    def nearest(self, chosen: Mapping[int, object] | set[int]) -> dict[int, int]:
         """Each module's nearest dominator in ``chosen`` (itself if chosen); the root must be chosen."""
         out: dict[int, int] = {}
         idom = self.idom

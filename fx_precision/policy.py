@@ -19,21 +19,19 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import nn
 
 from fx_precision.archs import arch_rules
 from fx_precision.autocast import autocast_context
+from fx_precision.contract import EngineContract
 from fx_precision.dtypes import AXIS_DTYPES, COMPUTE_DTYPES, axis_dtype, dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import PrecisionSpec
-
-if TYPE_CHECKING:
-    from fx_precision.contract import EngineContract
 
 
 @dataclass(frozen=True)
@@ -55,6 +53,11 @@ class PrecisionPolicy:
             object.__setattr__(self, axis, axis_dtype(value, f"PrecisionPolicy.{axis}", allowed))
         if self.cast_forward_inputs is None:
             object.__setattr__(self, "cast_forward_inputs", self.compute is None)
+        if self.contract is not None and not isinstance(self.contract, EngineContract):
+            raise PrecisionError(
+                f"PrecisionPolicy(contract={self.contract!r}): an fx_precision.contract.EngineContract (read it from an engine dump "
+                "with fx_precision.contract.contract_of_dump), not a name or a dict"[:400]
+            )
         if self.contract is not None and (self.compute != torch.bfloat16 or self.gather != torch.bfloat16):
             raise PrecisionError(
                 f"PrecisionPolicy(contract=...): the engine runs bf16 weights and bf16 compute; this policy gathers at "

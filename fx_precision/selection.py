@@ -71,10 +71,10 @@ class _AxisTable:
 
     def resolve(self, alias: str, default: torch.dtype) -> Resolved:
         value, rule = self.hits.get(alias, (DEFAULT, None))
-        dtype = default if value is DEFAULT else value
-        made = self.made.get((dtype, rule))  # type: ignore[arg-type]
+        dtype = value if isinstance(value, torch.dtype) else default
+        made = self.made.get((dtype, rule))
         if made is None:
-            made = self.made[(dtype, rule)] = Resolved(dtype, rule)  # type: ignore[arg-type]
+            made = self.made[(dtype, rule)] = Resolved(dtype, rule)
         return made
 
 

@@ -18,8 +18,8 @@ import sys
 import traceback
 from pathlib import Path
 
+from fx_precision.ranks import free_port
 from fx_precision.tools.cli import main
-from fx_precision.tools.distributed import free_port
 
 
 def run_cli(*args: str, cwd: str | os.PathLike[str] | None = None, timeout: int | None = None) -> subprocess.CompletedProcess[str]:

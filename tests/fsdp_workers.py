@@ -12,10 +12,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from fx_precision.fsdp import apply_fsdp2, fsdp_units, layer_wrap_globs
+from fx_precision.logprobs import logits_of
 from fx_precision.policy import resolve_policy
+from fx_precision.ranks import cpu_mesh
 from fx_precision.spec import parse_precision_rules
-from fx_precision.tools.distributed import cpu_mesh
-from fx_precision.tools.zoo import build_model, logits_of, token_batch
+from fx_precision.tools.zoo import build_model, token_batch
 
 BATCH, SEQ = 4, 16
 
@@ -233,6 +234,7 @@ def contract_training(rank: int, world_size: int, arch_name: str, contract: dict
     apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
     backend = make_precision_backend(policy=policy, plan=plan, inner="aot_eager")
     compiled = torch.compile(model, backend=backend, dynamic=False)
+
     def plan() -> Any:  # the batch's row plan, entered for each step's forward
         return engine_rows(EngineRows(rows, rows, kept.linears)) if kept is not None else contextlib.nullcontext()
 

@@ -293,7 +293,7 @@ def test_qwen3_5_with_embedding_plan_matches_the_eager_fix() -> None:
 
 @pytest.mark.needs_transformers
 def test_per_block_compile_inside_fsdp2_inserts_no_gather_casts_and_reports_boundary_inputs() -> None:
-    from fx_precision.tools.distributed import run_on_ranks
+    from fx_precision.ranks import run_on_ranks
     from tests import fsdp_workers
 
     ((without, with_),) = [r for r in run_on_ranks(fsdp_workers.in_turn, 2, [("per_block_compile", (c,)) for c in (False, True)]) if r]

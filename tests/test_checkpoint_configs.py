@@ -14,8 +14,8 @@ import pytest
 import torch
 
 import fx_precision as fxp
+from fx_precision.checkpoints import build_from_config, read_checkpoint_config
 from fx_precision.errors import PrecisionError
-from fx_precision.tools.checkpoint import build_from_config, read_checkpoint_config
 from fx_precision.tools.cli import main
 from fx_precision.tools.zoo import build_model
 

@@ -119,7 +119,7 @@ def test_hooks_derived_on_a_full_size_meta_config_work_on_the_small_model_of_the
 @pytest.mark.needs_transformers
 @pytest.mark.parametrize("arch_name", ["mistral", "qwen3-tied"])
 def test_per_block_compile_under_fsdp2_gets_the_whole_model_stream_with_the_hooks(arch_name: str) -> None:
-    from fx_precision.tools.distributed import run_on_ranks
+    from fx_precision.ranks import run_on_ranks
     from tests import fsdp_workers
 
     runs = [("per_block_eager_fix", (arch_name, False)), ("per_block_eager_fix", (arch_name, True))]

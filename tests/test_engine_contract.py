@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -12,18 +13,18 @@ import pytest
 import torch
 
 import fx_precision as fxp
-from fx_precision.contract import AttentionArithmetic, EngineContract
+from fx_precision.contract import AttentionArithmetic, EngineContract, RotaryOp
 from fx_precision.contract.batch_rows import EngineRows, RowPlan, check_logits_calls, engine_rows, row_plans
-from fx_precision.contract.kernels import engine_kernels
+from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
-from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary, variant_codes
+from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary
 from fx_precision.errors import PrecisionError
 
 BF16 = torch.bfloat16
 VEC = AttentionArithmetic(scores="vec", exp="libm", reduce="avx2", p_bf16=False, fma=False, store="truncate")  # the AVX2 build's
 SOME_ORDER = LinearOrders(1, (LinearCall(64, 32, 8, LinearOrder.sequential(32)),))  # rewrites need orders; these graphs never run
-PORTABLE = EngineContract(attention=VEC, rounding="truncate", linears=SOME_ORDER)  # runs on any x86 CPU: no AMX needed
-NEAREST = EngineContract(attention=VEC, rounding="nearest-even", linears=SOME_ORDER)  # rotary in the graph (truncation: an op)
+PORTABLE = EngineContract(rotary=RotaryOp(rounding="truncate"), attention=VEC, linears=SOME_ORDER)  # any x86 CPU: no AMX needed
+NEAREST = EngineContract(rotary=RotaryOp(rounding="nearest-even"), attention=VEC, linears=SOME_ORDER)  # rotary in the graph
 BLOCKED = LinearOrder(blocks=(3, 3, 2), parts=(2, 1))  # 8 chunks of 32: K = 256, in two parts (a split across engine threads)
 
 
@@ -36,27 +37,112 @@ def _reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Te
 def test_the_contract_round_trips_and_refuses_what_it_cannot_be() -> None:
     contract = PORTABLE.with_attention(exp="fast512")
     assert EngineContract.from_dict(json.loads(json.dumps(contract.to_dict()))) == contract
-    with pytest.raises(PrecisionError, match="unknown field"):
-        EngineContract.from_dict({**contract.to_dict(), "bogus": 1})
     with pytest.raises(PrecisionError, match=r"AttentionArithmetic\.scores='gpu'"):
         AttentionArithmetic(scores="gpu")
     with pytest.raises(PrecisionError, match="the engine runs bf16 weights and bf16 compute"):
         fxp.PrecisionPolicy(compute=BF16, gather=torch.float32, contract=contract)
+    with pytest.raises(PrecisionError, match=r"an fx_precision\.contract\.EngineContract"):
+        fxp.PrecisionPolicy(compute=BF16, gather=BF16, contract="vllm")  # type: ignore[arg-type]
     assert "truncate store" in contract.describe() and "1 linear calls read on 1 engine thread" in contract.describe()
+
+
+def _edited(data: dict, path: str, value: object) -> dict:
+    """A deep copy of ``data`` with ``path`` (dotted; ``-`` deletes) set to ``value``."""
+    out = json.loads(json.dumps(data))
+    *parents, last = path.split(".")
+    node = out
+    for key in parents:
+        node = node[int(key)] if isinstance(node, list) else node[key]
+    if value == "-":
+        del node[last]
+    elif isinstance(node, list):
+        node[int(last)] = value
+    else:
+        node[last] = value
+    return out
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "error"),
+    [
+        ("bogus", 1, "contract: unknown bogus"),
+        ("attention", "-", "contract: missing attention"),
+        ("rotary", "-", "contract: missing rotary"),
+        ("attention.fma", "false", r"contract.attention.fma='false': true or false"),
+        ("attention.scores", "gpu", r"contract.attention.scores='gpu': one of amx, vec"),
+        ("norm", "sideways", r"contract.norm='sideways': one of fused-add, plain"),
+        ("linears.calls.0.rows", "four", r"contract.linears.calls\[0\].rows: a positive integer, got 'four'"),
+        ("linears.calls.0.rows", -3, r"rows: a positive integer, got -3"),
+        ("linears.calls.0.rows", 4.5, r"rows: a positive integer, got 4.5"),
+        ("linears", 5, r"contract.linears: an object with threads and calls"),
+        ("evidence", 5, r"contract.evidence: a JSON object"),
+        ("unmatched", [["norm"]], r"contract.unmatched: a list of \[op class, why\] pairs"),
+        ("norm", None, "contract.norm: none, and unmatched holds no reason"),
+    ],
+)  # fmt: skip
+def test_a_contract_is_typed_on_read(path: str, value: object, error: str) -> None:
+    """Wrong types, ranges and missing fields are one PrecisionError naming the field: no default takes a removed op
+    class's place, no string is read as a boolean."""
+    with pytest.raises(PrecisionError, match=error):
+        EngineContract.from_dict(_edited(PORTABLE.to_dict(), path, value))
+
+
+def test_a_contract_its_evidence_contradicts_is_refused() -> None:
+    """The contract must be what its probes kept: a dump whose attention was edited to another candidate, or a linear
+    call's order to another order, is refused before a comparison runs."""
+    from fx_precision.contract import contract_of_dump
+
+    linears = LinearOrders(1, (LinearCall(64, 256, 7, BLOCKED),))
+    evidence = {"norm": {"kept": "fused-add"}, "rotary": {"kept": "kernel, truncate store"}, "attention": {"kept": VEC.describe()},
+                "linears": {"read": {"64x256 at 7 rows": BLOCKED.describe()}}}  # fmt: skip
+    honest = EngineContract(rotary=RotaryOp(rounding="truncate"), attention=VEC, linears=linears, evidence=evidence)
+    contract_of_dump(SimpleNamespace(contract=honest.to_dict()))  # its evidence holds it
+    edited = _edited(honest.to_dict(), "attention.exp", "fast512")
+    with pytest.raises(PrecisionError, match=r"contract.attention is .*but its probe kept"):
+        contract_of_dump(SimpleNamespace(contract=edited))
+    edited = _edited(honest.to_dict(), "linears.calls.0.order.blocks", [8])
+    edited["linears"]["calls"][0]["order"]["parts"] = [1]
+    with pytest.raises(PrecisionError, match=r"the call 64x256 at 7 rows is summed as 'K in order', its probe read"):
+        contract_of_dump(SimpleNamespace(contract=edited))
+
+
+def test_an_op_class_the_probe_could_not_match_is_refused_by_its_rewrite() -> None:
+    """No default stands in for what the probe could not match: a graph with attention under a contract whose attention
+    is unmatched is refused, naming the op class and the probe's reason."""
+    from fx_precision.backend import make_precision_backend
+
+    blind = replace(PORTABLE, attention=None, unmatched=(("attention", "no candidate gives the engine's attention bits at prefill"),))
+    policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False, contract=blind)
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    torch._dynamo.reset()
+    compiled = torch.compile(attend, backend=make_precision_backend(policy=policy, inner="aot_eager"))
+    q = torch.randn(1, 2, 8, 32).to(BF16)
+    with pytest.raises(Exception) as raised, policy.forward_context("cpu"):  # Dynamo wraps a backend's error (BackendCompilerFailed)
+        compiled(q, q, q)
+    refusal = fxp.precision_error_in(raised.value)
+    assert refusal is not None and "attention at <root>" in str(refusal)
+    assert "no candidate gives the engine's attention bits" in str(refusal)
+    torch._dynamo.reset()
+    with pytest.raises(Exception) as raised:  # traced without autocast: nothing of the contract would run, so refused
+        compiled(q, q, q)
+    assert "traced without autocast" in str(fxp.precision_error_in(raised.value))
 
 
 def test_vec_attention_is_fp32_attention_stored_once_and_rows_do_not_depend_on_the_batch() -> None:
     torch.manual_seed(0)
     q, k, v = torch.randn(3, 37, 4, 32).to(BF16), torch.randn(3, 37, 2, 32).to(BF16), torch.randn(3, 37, 2, 32).to(BF16)
-    out = engine_attention(q, k, v, torch.full((3,), 37), None, 32**-0.5, True, -1, 0, variant_codes(VEC))
+    out = engine_attention(q, k, v, torch.full((3,), 37), None, 32**-0.5, True, -1, 0, **VEC.op_args())
     assert out.dtype == BF16 and (out.float() - _reference(q, k, v)).abs().max() < 2e-2
-    alone = engine_attention(q[1:2], k[1:2], v[1:2], torch.tensor([37]), None, 32**-0.5, True, -1, 0, variant_codes(VEC))
+    alone = engine_attention(q[1:2], k[1:2], v[1:2], torch.tensor([37]), None, 32**-0.5, True, -1, 0, **VEC.op_args())
     assert torch.equal(alone, out[1:2])  # a row of the batch is the row alone
     # a boolean mask (sliding window of 5) and the same mask given as window= agree bit for bit
     pos = torch.arange(37)
     window = (pos[None, :] <= pos[:, None]) & (pos[None, :] > pos[:, None] - 5)
-    by_mask = engine_attention(q, k, v, torch.full((3,), 37), window[None, None], 32**-0.5, False, -1, 0, variant_codes(VEC))
-    by_window = engine_attention(q, k, v, torch.full((3,), 37), None, 32**-0.5, True, 4, 0, variant_codes(VEC))
+    by_mask = engine_attention(q, k, v, torch.full((3,), 37), window[None, None], 32**-0.5, False, -1, 0, **VEC.op_args())
+    by_window = engine_attention(q, k, v, torch.full((3,), 37), None, 32**-0.5, True, 4, 0, **VEC.op_args())
     assert torch.equal(by_mask, by_window)
     truncated = by_mask.float().view(torch.int32) & 0xFFFF  # the store truncates: bf16 from the fp32 high half
     assert int(truncated.abs().sum()) == 0
@@ -64,13 +150,13 @@ def test_vec_attention_is_fp32_attention_stored_once_and_rows_do_not_depend_on_t
 
 def test_amx_attention_runs_the_hardware_instruction_or_says_it_cannot() -> None:
     q, k, v = (torch.randn(1, 40, 2, 32).to(BF16) for _ in range(3))
-    codes = variant_codes(AttentionArithmetic())
+    codes = AttentionArithmetic().op_args()
     if not engine_kernels().cpu_has_amx():
         with pytest.raises(PrecisionError, match="this CPU has no AMX"):
-            engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, codes)
+            engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, **codes)
         pytest.skip("this CPU has no AMX: the refusal is checked, the AMX instruction cannot run here")
-    out = engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, codes)
-    again = engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, codes)
+    out = engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, **codes)
+    again = engine_attention(q, k, v, torch.tensor([40]), None, 32**-0.5, True, -1, 0, **codes)
     assert torch.equal(out, again) and (out.float() - _reference(q, k, v)).abs().max() < 2e-2
 
 
@@ -99,7 +185,8 @@ def test_amx_attention_16_rows_per_tile_is_the_one_row_reference_bit_for_bit() -
         key_lens = torch.tensor(lens) if lens else torch.full((B,), S)
         mask = torch.rand(B, mask_heads, T, S) > 0.3 if mask_heads else None
         for arithmetic in (AttentionArithmetic(), AttentionArithmetic(exp="libm", reduce="avx2", store="truncate")):
-            args = (q, k, v, key_lens, mask, D**-0.5, causal, window, offset, variant_codes(arithmetic))
+            variant = attention_variant(**arithmetic.op_args())
+            args = (q, k, v, key_lens, mask, D**-0.5, causal, window, offset, variant)
             tiled, rowwise = engine_kernels().attention(*args), engine_kernels().attention(*args, rowwise=True)
             assert torch.equal(tiled.view(torch.int16), rowwise.view(torch.int16)), (B, T, S, H, KVH, D, causal, window, offset, arithmetic)
 
@@ -123,17 +210,17 @@ def test_a_mask_that_is_the_causal_range_runs_as_the_range() -> None:
     kept, is_causal = _mask_as_range(holed, full, False, -1, 0)
     assert kept is holed and is_causal is False
     q, k, v = (torch.randn(2, T, 2, 32).to(BF16) for _ in range(3))
-    codes = variant_codes(VEC)
-    by_mask = engine_attention(q, k, v, full, holed, 32**-0.5, False, -1, 0, codes)
-    assert torch.equal(by_mask[1], engine_attention(q, k, v, full, None, 32**-0.5, True, -1, 0, codes)[1])
-    assert not torch.equal(by_mask[0, 5], engine_attention(q, k, v, full, None, 32**-0.5, True, -1, 0, codes)[0, 5])
+    codes = VEC.op_args()
+    by_mask = engine_attention(q, k, v, full, holed, 32**-0.5, False, -1, 0, **codes)
+    assert torch.equal(by_mask[1], engine_attention(q, k, v, full, None, 32**-0.5, True, -1, 0, **codes)[1])
+    assert not torch.equal(by_mask[0, 5], engine_attention(q, k, v, full, None, 32**-0.5, True, -1, 0, **codes)[0, 5])
 
 
 def test_attention_gradients_are_fp32_attention_gradients() -> None:
     torch.manual_seed(1)
     q, k, v = (torch.randn(2, 9, 4, 32, dtype=torch.float32, requires_grad=True) for _ in range(3))
     kk, vv = k[:, :, :2], v[:, :, :2]  # grouped-query: 4 query heads on 2 key/value heads
-    out = engine_attention(q, kk, vv, torch.full((2,), 9), None, 32**-0.5, True, -1, 0, variant_codes(VEC))
+    out = engine_attention(q, kk, vv, torch.full((2,), 9), None, 32**-0.5, True, -1, 0, **VEC.op_args())
     grads = torch.autograd.grad((out * torch.arange(out.numel()).view(out.shape).sin()).sum(), (q, k, v))
     q2, k2, v2 = (t.detach().clone().requires_grad_() for t in (q, k, v))
     ref = _reference(q2.to(BF16).float(), k2[:, :, :2].to(BF16).float(), v2[:, :, :2].to(BF16).float())
@@ -352,7 +439,7 @@ def test_eager_math_keeps_torch_kernels_under_inductor() -> None:
     import torch._inductor.config as inductor_config
     from torch._inductor.compile_fx import compile_fx
 
-    from fx_precision.passes.rewrites.engine import engine_eager_math
+    from fx_precision.passes.rewrites.engine.eager_math import engine_eager_math
 
     torch.manual_seed(5)
     x, w, pos = (torch.randn(4096, 128) * 3).to(BF16), (torch.randn(128) * 0.1 + 1).to(BF16), torch.arange(4096).float()
@@ -362,7 +449,7 @@ def test_eager_math_keeps_torch_kernels_under_inductor() -> None:
     def backend(rewrite: bool):  # type: ignore[no-untyped-def]
         def compile_with(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
             if rewrite:
-                rewritten.append(len(engine_eager_math(gm, None)))  # type: ignore[arg-type]
+                rewritten.append(len(engine_eager_math(PORTABLE)(gm, None)))  # type: ignore[arg-type]
             return compile_fx(gm, example_inputs)
 
         return compile_with
@@ -435,12 +522,12 @@ def test_the_rewrites_are_found_on_every_architecture_of_the_sweep(request: pyte
         assert counts.get("engine-eager-math", 0) >= norms, (spec.name, norms, counts)  # each norm's reduction kept eager
     moe = {"qwen3-moe", "qwen2-moe", "mixtral", "deepseek-v3", "qwen3-next"}
     assert set(refused) == ({"gemma2", "bloom", "cohere", "qwen3.5"} | moe) & chosen, sorted(refused)
-    assert "matmul + softmax at model.layers.0.self_attn" in refused["gemma2"]  # soft-capping runs eager attention
-    assert "matmul + softmax at transformer.h.0.self_attention" in refused["bloom"]  # ALiBi
+    assert "FXP301 attention computed as matmul + softmax" in refused["gemma2"] and "at model.layers.0.self_attn" in refused["gemma2"]
+    assert "FXP301 attention computed as matmul + softmax" in refused["bloom"] and "transformer.h.0.self_attention" in refused["bloom"]
     assert "rotary the contract does not follow" in refused["cohere"] and "rotate_half" in refused["cohere"]  # interleaved
     assert "rotary the contract does not follow" in refused["deepseek-v3"]  # MLA's written-out interleaved rotation
-    assert "mixture-of-experts routing (topk) at model.layers.0.mlp" in refused["qwen3-moe"]
-    assert "causal convolution (a linear-attention layer) at model.layers.0.linear_attn" in refused["qwen3.5"]
+    assert "mixture-of-experts routing (topk)" in refused["qwen3-moe"] and "at model.layers.0.mlp" in refused["qwen3-moe"]
+    assert "a causal convolution (a linear-attention layer)" in refused["qwen3.5"] and "model.layers.0.linear_attn" in refused["qwen3.5"]
 
 
 @pytest.mark.needs_transformers
@@ -465,7 +552,7 @@ def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     same run without the contract (plain bf16 gather and autocast): the rewrites change roundings, not the model.
     Measured on tiny Qwen3 (torch 2.13.0+cpu, Sapphire Rapids): worst 1.7e-2 (a k_norm weight), median 8.9e-3,
     the bf16 rounding level; losses over 4 steps agree to 1e-3."""
-    from fx_precision.tools.distributed import run_on_ranks
+    from fx_precision.ranks import run_on_ranks
     from tests import fsdp_workers
 
     runs = [("contract_training", ("qwen3", PORTABLE.to_dict(), 4)), ("contract_training", ("qwen3", None, 1))]
@@ -489,7 +576,7 @@ def test_the_linear_probe_finds_fused_projections_stored_split_or_fused(arch: st
     probe must find the engine's fused weight, or the decode steps' small-batch kernel goes unfollowed on that shape."""
     from safetensors.torch import load_file
 
-    from fx_precision.contract.probe import checkpoint_weights
+    from fx_precision.engines.vllm.probes import checkpoint_weights
     from fx_precision.tools.checkpoint import write_tiny_checkpoint
 
     directory = write_tiny_checkpoint(arch, tmp_path / arch)

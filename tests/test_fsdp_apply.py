@@ -7,7 +7,7 @@ import torch
 
 from fx_precision import PrecisionError, compile_precision, parse_precision_rules
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
-from fx_precision.tools.distributed import run_on_ranks
+from fx_precision.ranks import run_on_ranks
 from fx_precision.tools.zoo import build_model
 from tests import fsdp_workers
 from tests.model_state import model_snapshot, same_model_state

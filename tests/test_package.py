@@ -80,6 +80,24 @@ def _module_imports() -> dict[str, set[str]]:
     return graph
 
 
+def test_only_the_vllm_adapter_imports_vllm() -> None:
+    """The engine seam: vLLM (module- or function-level imports) is known inside fx_precision/engines/vllm only."""
+    import ast
+    from pathlib import Path
+
+    import fx_precision
+
+    root = Path(fx_precision.__file__).parent
+    importers = set()
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            if any(n == "vllm" or n.startswith("vllm.") for n in names):
+                importers.add(path.relative_to(root).as_posix())
+    assert importers and all(p.startswith("engines/vllm/") for p in importers), sorted(importers)
+
+
 def test_no_import_circle_and_the_layers_import_downwards() -> None:
     graph = _module_imports()
     state: dict[str, int] = {}

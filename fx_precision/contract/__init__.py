@@ -1,120 +1,292 @@
 """The engine contract: what a rollout engine computes, op class by op class, so a training graph can compute it too.
 
-    EngineContract (detected by probing the engine's own ops on this machine; never assumed per ISA)
+    EngineContract (read off the engine by its adapter's probes on this machine; never assumed per ISA)
     ├── weights     gather bf16 from fp32 masters, compute bf16 (autocast)
-    ├── norm        fused-add: the norm after a residual add normalises the fp32 sum; the stream
-    │               keeps the rounded sum (vLLM's fused_add_rms_norm) | plain: the model adds the
-    │               residual itself and the norm sees the rounded sum (Granite's residual multiplier)
-    ├── rotary      kernel (fp32 math, one store, ``rounding``) | native (torch forms: bit-identical to
-    │               transformers' apply_rotary_pos_emb, nothing to rewrite)
-    ├── attention   AttentionArithmetic: scores (amx | vec), exp (libm | fast512), lane reduction
-    │               (avx512 | avx2), P at bf16 or fp32, fused multiply-adds, the store's rounding
+    ├── norm        NormForm: fused-add (the norm after a residual add normalises the fp32 sum; the stream keeps
+    │               the rounded sum: vLLM's fused_add_rms_norm) | plain (the model adds the residual itself)
+    ├── rotary      RotaryOp: kernel (fp32 math, one store at ``rounding``) | native (torch forms) | none
+    ├── attention   AttentionArithmetic: scores (amx | vec), exp (libm | fast512), lane sum (avx512 | avx2),
+    │               P at bf16 or fp32, fused multiply-adds, the store's rounding
     ├── linears     LinearOrders: the order the engine's GEMM sums each linear's outputs in, per weight shape
     │               and rows per call, read at its thread count (contract/linear_order.py); the training
     │               side computes each row in its engine call's order (contract/batch_rows.py)
-    ├── rounding    nearest-even | truncate: how the engine's kernels store fp32 as bf16
-    ├── eager math  reductions (a norm's mean of squares) and transcendentals (exp, cos, sin, silu)
-    │               by torch's eager kernels, as the engine runs them: Inductor would sum in another
-    │               order and approximate otherwise
-    └── logprobs    fp32 log_softmax of bf16 logits (what vLLM's sampler returns)
+    ├── eager math  reductions (a norm's mean of squares) and transcendentals (exp, cos, sin, silu) by torch's
+    │               eager kernels, as the engine runs them (always: Inductor sums and approximates otherwise)
+    ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T)
+    └── unmatched   the op classes the probes could not match, each with why: their value is None, and the
+                    rewrite of a graph that has their pattern refuses with that reason (never a default)
 
-``passes/rewrites/engine.py`` rewrites a captured graph to follow it (any architecture whose graph
-has the pattern); ``contract/ops.py`` holds the ops the rewrites call; ``contract/probe.py`` finds it
-in the engine's process.
+Every field is typed on read (``from_dict``: wrong types, ranges and missing fields are one PrecisionError
+naming the field), and ``check_evidence`` holds the contract to the evidence the probes recorded (a
+contract edited to a candidate the probe rejected is refused).
+
+``passes/rewrites/engine`` rewrites a captured graph to follow it (any architecture whose graph has the
+pattern); ``contract/ops.py`` holds the ops the rewrites call; the engine adapters (``fx_precision.engines``)
+read it off their engine.
 """
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from fx_precision.contract.linear_order import LinearOrders
+from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
 from fx_precision.errors import PrecisionError
 
-ROUNDINGS = ("nearest-even", "truncate")
-ROTARIES = ("kernel", "native")
+
+def _bool(value: Any, where: str) -> bool:
+    if not isinstance(value, bool):
+        raise PrecisionError(f"{where}={value!r}: true or false")
+    return value
+
+
+def _object(data: Any, where: str, names: tuple[str, ...]) -> dict[str, Any]:
+    """``data`` as a JSON object holding exactly ``names`` (missing or unknown fields: one error naming them)."""
+    if not isinstance(data, dict):
+        raise PrecisionError(f"{where}: a JSON object, got {type(data).__name__}")
+    missing = [n for n in names if n not in data]
+    unknown = sorted(set(data) - set(names))
+    if missing or unknown:
+        parts = [f"missing {', '.join(missing)}" if missing else "", f"unknown {', '.join(unknown)}" if unknown else ""]
+        said = "; ".join(part for part in parts if part)
+        raise PrecisionError(f"{where}: {said} (written by another fx_precision version? roll out again with this one)")
+    return data
 
 
 @dataclass(frozen=True)
 class AttentionArithmetic:
     """One variant of the engine's CPU attention kernel (see ``contract/engine_kernels.cpp``)."""
 
-    scores: str = "amx"  # "amx": bf16 dot products, then * scale | "vec": q * scale in fp32 first
-    exp: str = "libm"  # "libm": glibc expf | "fast512": the AVX-512 polynomial
-    reduce: str = "avx512"  # lane reduction of the softmax sum: "avx512" (halving tree) | "avx2" (two sequential halves)
+    scores: Scores = Scores.AMX
+    exp: Exp = Exp.LIBM
+    reduce: LaneSum = LaneSum.AVX512
     p_bf16: bool = True  # probabilities rounded to bf16 before P.V (AMX)
     fma: bool = False  # fused multiply-adds in the fp32 dot products (vec)
-    store: str = "nearest-even"  # the output's bf16 store: "nearest-even" | "truncate"
+    store: Rounding = Rounding.NEAREST_EVEN  # the output's bf16 store
 
     def __post_init__(self) -> None:
-        checks = {"scores": ("amx", "vec"), "exp": ("libm", "fast512"), "reduce": ("avx512", "avx2"), "store": ROUNDINGS}
-        for name, allowed in checks.items():
-            if getattr(self, name) not in allowed:
-                raise PrecisionError(f"AttentionArithmetic.{name}={getattr(self, name)!r}: one of {', '.join(allowed)}")
+        for name, kind in (("scores", Scores), ("exp", Exp), ("reduce", LaneSum), ("store", Rounding)):
+            object.__setattr__(self, name, parse_enum(kind, getattr(self, name), f"AttentionArithmetic.{name}"))
+        for name in ("p_bf16", "fma"):
+            _bool(getattr(self, name), f"AttentionArithmetic.{name}")
 
     def describe(self) -> str:
         p = "bf16 P" if self.p_bf16 else "fp32 P"
         return f"{self.scores} scores, {self.exp} exp, {self.reduce} lane sum, {p}, {'fma' if self.fma else 'mul+add'}, {self.store} store"
 
+    def op_args(self) -> dict[str, Any]:
+        """The named arguments of ``fxp_engine.attention`` that select this arithmetic."""
+        return {"scores": str(self.scores), "exp": str(self.exp), "lane_sum": str(self.reduce), "p_bf16": self.p_bf16,
+                "fma": self.fma, "store": str(self.store)}  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scores": str(self.scores), "exp": str(self.exp), "reduce": str(self.reduce), "p_bf16": self.p_bf16, "fma": self.fma,
+                "store": str(self.store)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "contract.attention") -> AttentionArithmetic:
+        data = _object(data, where, ("scores", "exp", "reduce", "p_bf16", "fma", "store"))
+        try:
+            return cls(**data)
+        except PrecisionError as exc:
+            raise PrecisionError(str(exc).replace("AttentionArithmetic.", f"{where}.")) from None
+
+
+@dataclass(frozen=True)
+class RotaryOp:
+    """How the engine rotates q and k: its kernel (fp32 math from bf16 operands, one store at ``rounding``), torch's
+    own forms, or no rotary at all."""
+
+    form: RotaryForm = RotaryForm.KERNEL
+    rounding: Rounding | None = Rounding.NEAREST_EVEN  # the kernel's store (kernel only)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "form", parse_enum(RotaryForm, self.form, "RotaryOp.form"))
+        if self.form == RotaryForm.KERNEL:
+            object.__setattr__(self, "rounding", parse_enum(Rounding, self.rounding, "RotaryOp.rounding"))
+        elif self.rounding is not None:
+            raise PrecisionError(f"RotaryOp(form={self.form}): a rounding belongs to the kernel form only")
+
+    def describe(self) -> str:
+        return f"kernel, {self.rounding} store" if self.form == RotaryForm.KERNEL else str(self.form)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"form": str(self.form), "rounding": str(self.rounding) if self.rounding is not None else None}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "contract.rotary") -> RotaryOp:
+        data = _object(data, where, ("form", "rounding"))
+        try:
+            return cls(**data)
+        except PrecisionError as exc:
+            raise PrecisionError(str(exc).replace("RotaryOp.", f"{where}.").replace("RotaryOp(", f"{where}(")) from None
+
+
+_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "unmatched", "evidence")
+
 
 @dataclass(frozen=True)
 class EngineContract:
-    """What the training graph must compute to match the engine (module docstring)."""
+    """What the training graph must compute to match the engine (module docstring). A ``None`` op class is one the
+    probe could not match; ``unmatched`` says why."""
 
     engine: str = "vllm"
     version: str | None = None
-    rounding: str = "nearest-even"
-    rotary: str = "kernel"
-    norm: str = "fused-add"
-    attention: AttentionArithmetic = field(default_factory=AttentionArithmetic)
+    norm: NormForm | None = NormForm.FUSED_ADD
+    rotary: RotaryOp | None = field(default_factory=RotaryOp)
+    attention: AttentionArithmetic | None = field(default_factory=AttentionArithmetic)
     linears: LinearOrders = field(default_factory=LinearOrders)
-    logprobs: str = "fp32-log-softmax-of-bf16-logits"
-    evidence: dict[str, Any] = field(default_factory=dict)  # what each probe found: candidates and their mismatches
+    logprobs: LogprobForm = LogprobForm.RAW
+    unmatched: tuple[tuple[OpClass, str], ...] = ()
+    evidence: dict[str, Any] = field(default_factory=dict)  # what each probe found: candidates, their mismatches, the one kept
 
     def __post_init__(self) -> None:
-        if self.rounding not in ROUNDINGS:
-            raise PrecisionError(f"EngineContract.rounding={self.rounding!r}: one of {', '.join(ROUNDINGS)}")
-        if self.rotary not in ROTARIES:
-            raise PrecisionError(f"EngineContract.rotary={self.rotary!r}: one of {', '.join(ROTARIES)}")
-        if self.norm not in ("fused-add", "plain"):
-            raise PrecisionError(f"EngineContract.norm={self.norm!r}: 'fused-add' (vLLM) or 'plain'")
+        if not isinstance(self.engine, str) or not self.engine:
+            raise PrecisionError(f"EngineContract.engine={self.engine!r}: the engine's name")
+        if self.version is not None and not isinstance(self.version, str):
+            raise PrecisionError(f"EngineContract.version={self.version!r}: a string or null")
+        if self.norm is not None:
+            object.__setattr__(self, "norm", parse_enum(NormForm, self.norm, "EngineContract.norm"))
+        if self.rotary is not None and not isinstance(self.rotary, RotaryOp):
+            raise PrecisionError(f"EngineContract.rotary: a RotaryOp, got {type(self.rotary).__name__}")
+        if self.attention is not None and not isinstance(self.attention, AttentionArithmetic):
+            raise PrecisionError(f"EngineContract.attention: an AttentionArithmetic, got {type(self.attention).__name__}")
+        if not isinstance(self.linears, LinearOrders):
+            raise PrecisionError(f"EngineContract.linears: LinearOrders, got {type(self.linears).__name__}")
+        object.__setattr__(self, "logprobs", parse_enum(LogprobForm, self.logprobs, "EngineContract.logprobs"))
+        unmatched = tuple((parse_enum(OpClass, c, "EngineContract.unmatched"), str(why)) for c, why in self.unmatched)
+        object.__setattr__(self, "unmatched", unmatched)
+        if not isinstance(self.evidence, dict):
+            raise PrecisionError(f"EngineContract.evidence: a JSON object, got {type(self.evidence).__name__}")
+        missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention}
+        for op_class, value in missing.items():
+            if value is None and op_class not in self.why_unmatched():
+                raise PrecisionError(f"EngineContract.{op_class}: none, and unmatched holds no reason (a probe matching nothing says why)")
+
+    def why_unmatched(self) -> dict[OpClass, str]:
+        return dict(self.unmatched)
+
+    def refused(self, op_class: OpClass, where: str) -> PrecisionError:
+        """The error of a rewrite that meets ``op_class``'s pattern while the probe matched nothing for it."""
+        why = self.why_unmatched().get(op_class, "the probe matched no candidate")
+        return PrecisionError(
+            f"engine contract ({self.engine} {self.version or ''}): {op_class} at {where or '<root>'}: the engine's {op_class} matched no "
+            f"candidate the contract knows ({why}); the training graph cannot compute what the engine does there. Compare without "
+            "--contract to see the gap, or roll out as the evidence suggests"
+        )
 
     def describe(self) -> str:
-        return (
-            f"{self.engine} {self.version or ''}: norm {self.norm}; rotary {self.rotary}; "
-            f"attention {self.attention.describe()}; linears: {self.linears.describe()}; stores {self.rounding}"
-        ).replace("  ", " ")
+        parts = [
+            f"norm {self.norm or 'unmatched'}",
+            f"rotary {self.rotary.describe() if self.rotary else 'unmatched'}",
+            f"attention {self.attention.describe() if self.attention else 'unmatched'}",
+            f"linears: {self.linears.describe()}",
+            f"log-probs {self.logprobs}",
+        ]
+        return f"{self.engine} {self.version or ''}: " + "; ".join(parts)
 
     def to_dict(self) -> dict[str, Any]:
-        data = asdict(self)
-        data["linears"] = self.linears.to_dict()
-        return data
+        return {
+            "engine": self.engine,
+            "version": self.version,
+            "norm": str(self.norm) if self.norm is not None else None,
+            "rotary": self.rotary.to_dict() if self.rotary is not None else None,
+            "attention": self.attention.to_dict() if self.attention is not None else None,
+            "linears": self.linears.to_dict(),
+            "logprobs": str(self.logprobs),
+            "unmatched": [[str(c), why] for c, why in self.unmatched],
+            "evidence": self.evidence,
+        }
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EngineContract:
-        if not isinstance(data, dict):
-            raise PrecisionError(f"an engine contract is a JSON object, got {type(data).__name__}")
-        known = {f for f in cls.__dataclass_fields__}
-        unknown = sorted(set(data) - known)
-        if unknown:
-            raise PrecisionError(f"engine contract: unknown field(s) {', '.join(unknown)}; written by a newer fx_precision?")
-        attention = data.get("attention") or {}
-        linears = LinearOrders.from_dict(data["linears"]) if "linears" in data else LinearOrders()
+    def from_dict(cls, data: Any) -> EngineContract:
+        data = _object(data, "contract", _FIELDS)
+        unmatched = data["unmatched"]
+        if not isinstance(unmatched, list) or any(
+            not isinstance(u, list) or len(u) != 2 or not all(isinstance(x, str) for x in u) for u in unmatched
+        ):
+            raise PrecisionError(f"contract.unmatched: a list of [op class, why] pairs, got {unmatched!r}"[:300])
         try:
-            return cls(**{**data, "attention": AttentionArithmetic(**attention), "linears": linears})
-        except TypeError as exc:
-            raise PrecisionError(f"engine contract: {exc}") from None
+            return cls(
+                engine=data["engine"],
+                version=data["version"],
+                norm=data["norm"],
+                rotary=RotaryOp.from_dict(data["rotary"]) if data["rotary"] is not None else None,
+                attention=AttentionArithmetic.from_dict(data["attention"]) if data["attention"] is not None else None,
+                linears=LinearOrders.from_dict(data["linears"]),
+                logprobs=data["logprobs"],
+                unmatched=tuple((c, why) for c, why in unmatched),
+                evidence=data["evidence"],
+            )
+        except PrecisionError as exc:
+            raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
 
     def with_attention(self, **changes: Any) -> EngineContract:
+        if self.attention is None:
+            raise PrecisionError("this contract's attention is unmatched: there is no arithmetic to change")
         return replace(self, attention=replace(self.attention, **changes))
+
+    def check_evidence(self) -> None:
+        """Refuse a contract its own evidence contradicts: every op class's value must be the one its probe kept
+        (``evidence[op class]["kept"]``), a candidate with no mismatch; every linear call's order the one read."""
+        for op_class, value in ((OpClass.NORM, self.norm), (OpClass.ROTARY, self.rotary), (OpClass.ATTENTION, self.attention)):
+            if value is None:
+                continue
+            found = self.evidence.get(str(op_class))
+            if not isinstance(found, dict) or "kept" not in found:
+                raise PrecisionError(f"contract.evidence.{op_class}: no record of what the probe kept; the contract cannot be checked")
+            shown = str(value) if isinstance(value, NormForm) else value.describe()
+            if found["kept"] != shown:
+                raise PrecisionError(
+                    f"contract.{op_class} is {shown!r}, but its probe kept {found['kept']!r} (contract.evidence.{op_class}): the contract "
+                    "is not the one its evidence supports; roll out again"
+                )
+        read = self.evidence.get(str(OpClass.LINEARS), {}).get("read", {})
+        for call in self.linears.calls:
+            key = f"{call.out_features}x{call.in_features} at {call.rows} rows"
+            if read.get(key) != call.order.describe():
+                raise PrecisionError(
+                    f"contract.linears: the call {key} is summed as {call.order.describe()!r}, its probe read {read.get(key)!r} "
+                    "(contract.evidence.linears.read): the contract is not the one its evidence supports; roll out again"
+                )
+
+
+def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str]:
+    """What the contract does not follow in this engine run, each with what to do about it (empty: everything the
+    run exercised was probed and matched). ``engine``: the dump's record of how the engine ran."""
+    notes = [f"the engine's {op_class} matched no candidate the contract knows ({why}): a graph with it is refused, "
+             "compare without --contract to see the gap" for op_class, why in contract.unmatched]  # fmt: skip
+    attention = contract.evidence.get(str(OpClass.ATTENTION))
+    at_run = attention.get("at the run's calls") if isinstance(attention, dict) else None
+    if isinstance(at_run, dict) and at_run.get("unmatched"):
+        notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run['unmatched'][:3])}")
+        if int(engine.get("threads") or 1) > 1 and engine.get("split_kv"):
+            notes.append(
+                f"the engine ran split-KV attention on {engine['threads']} threads (a decode row's keys split across threads, "
+                "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
+            )
+    if isinstance(at_run, dict) and int(at_run.get("checked", 0)) < int(at_run.get("calls", 0)):
+        notes.append(f"{at_run['checked']} of the run's {at_run['calls']} distinct attention calls were checked against the engine; "
+                     "the rest were not: roll out fewer or shorter sequences per call to have every call checked")  # fmt: skip
+    ambiguous = [k for k, v in contract.evidence.get(str(OpClass.LINEARS), {}).get("calls", {}).items()
+                 if isinstance(v, dict) and v.get("ambiguous")]  # fmt: skip
+    if ambiguous:
+        notes.append(f"the probe could not tell two summation orders apart for {', '.join(ambiguous[:3])}: the first was kept")
+    return notes
 
 
 def contract_of_dump(dump: Any) -> EngineContract:
-    """The contract an engine's dump recorded (``fx-precision rollout`` probes and writes it)."""
+    """The contract an engine's dump recorded (``fx-precision rollout`` probes and writes it), held to its evidence."""
     data = getattr(dump, "contract", None)
     if not data:
         raise PrecisionError(
             f"dump {getattr(dump, 'source', dump)} records no engine contract; write the rollout with fx-precision rollout, "
             "which probes the engine"
         )
-    return EngineContract.from_dict(data)
+    contract = EngineContract.from_dict(data)
+    contract.check_evidence()
+    return contract
+
+
+__all__ = ["AttentionArithmetic", "EngineContract", "RotaryOp", "contract_notes", "contract_of_dump"]

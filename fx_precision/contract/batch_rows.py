@@ -178,3 +178,20 @@ def engine_rows(rows: EngineRows) -> Iterator[None]:
 
 def active_rows() -> EngineRows | None:
     return _ACTIVE.get()
+
+
+def attention_calls(sequences: list[Any], steps: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, int], ...]]:
+    """Each engine step's attention call as the requests it held: (query rows, keys) per request, in the step's order
+    (rows mapped to their sequences by contract.batch_rows.steps_of); distinct calls only."""
+    owner: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (step, row index in it) <- (sequence, position)
+    for s, found in enumerate(steps_of(sequences, steps)):
+        for position, step in enumerate(found):
+            if step is not None:
+                owner.setdefault((step, s), []).append((s, position))
+    shapes: dict[tuple[tuple[int, int], ...], None] = {}
+    for i, _rows in enumerate(steps):
+        requests = sorted((positions[0][1], s, len(positions), positions[-1][1] + 1) for (step, s), positions in owner.items() if step == i)
+        shape = tuple((q, kv) for _, _, q, kv in sorted(requests, key=lambda r: r[1]))
+        if shape:
+            shapes.setdefault(shape, None)
+    return list(shapes)

@@ -771,15 +771,26 @@ extern "C" {
 // allows. Masked keys inside the range contribute nothing, as in the engine (p = 0). Writes out
 // [B, T, H, D]. rowwise: one query row at a time (the reference the tiled path is held to).
 // The caller (contract/kernels.py) checks dtypes, shapes and contiguity.
+// One arithmetic of the engine's attention kernel (mirrored by contract/kernels.py AttentionVariantStruct).
+struct FxpAttentionVariant {
+  int32_t scores;     // Qk: QK_AMX | QK_VEC
+  int32_t exp;        // Exp: EXP_LIBM | EXP_FAST512
+  int32_t lane_sum;   // Reduce: REDUCE_AVX512 | REDUCE_AVX2
+  int32_t p_bf16;     // probabilities rounded to bf16 before P.V
+  int32_t fma;        // fused multiply-adds in the fp32 dot products (vec)
+  int32_t store;      // Store: STORE_RNE | STORE_TRUNC
+  int32_t flush;      // denormals flushed as AMX flushes them
+};
+
 void fxp_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const int64_t* key_lens, const uint8_t* mask,
                    int64_t B, int64_t T, int64_t H, int64_t D, int64_t S, int64_t KVH, int64_t mask_heads, double scale, int causal,
-                   int64_t window, int64_t q_offset, int qk_kind, int exp_kind, int reduce_kind, int p_bf16, int fma, int store_kind,
-                   int ftz_amx, int rowwise, int64_t threads) {
+                   int64_t window, int64_t q_offset, const FxpAttentionVariant* variant, int rowwise, int64_t threads) {
+  const FxpAttentionVariant& a = *variant;
   Problem P{q, k, v, out, key_lens, reinterpret_cast<const bool*>(mask),
             B, T, H, D, S, KVH, H / KVH, mask != nullptr ? mask_heads : 1,
             static_cast<float>(scale), causal != 0, window, q_offset,
-            exp_kind, reduce_kind, store_kind,
-            qk_kind == QK_AMX, qk_kind == QK_AMX && ftz_amx != 0, p_bf16 != 0, fma != 0, threads};
+            a.exp, a.lane_sum, a.store,
+            a.scores == QK_AMX, a.scores == QK_AMX && a.flush != 0, a.p_bf16 != 0, a.fma != 0, threads};
   const bool hardware_amx = P.amx && D % 32 == 0;
   if (hardware_amx && !rowwise) {
     attention_amx_tiled(P);

@@ -100,8 +100,28 @@ def order_struct(pairs: bool, bias_first: bool, blocks: tuple[int, ...], parts: 
     block_array = (ctypes.c_int32 * len(blocks))(*blocks)
     part_array = (ctypes.c_int32 * len(parts))(*parts)
     struct = LinearOrderStruct(int(pairs), int(bias_first), len(blocks), len(parts), block_array, part_array)
-    struct._keep = (block_array, part_array)  # type: ignore[attr-defined]
+    struct._keep = (block_array, part_array)
     return struct
+
+
+class AttentionVariantStruct(ctypes.Structure):
+    """``FxpAttentionVariant`` of engine_kernels.cpp: one arithmetic of the engine's attention kernel."""
+
+    _fields_ = [(name, ctypes.c_int32) for name in ("scores", "exp", "lane_sum", "p_bf16", "fma", "store", "flush")]
+
+
+def attention_variant(scores: str, exp: str, lane_sum: str, p_bf16: bool, fma: bool, store: str) -> AttentionVariantStruct:
+    """The C struct of an attention arithmetic given by its names (``AttentionArithmetic.op_args``)."""
+    codes = {"scores": {"amx": 0, "vec": 1}, "exp": {"libm": 0, "fast512": 1}, "lane_sum": {"avx512": 0, "avx2": 1},
+             "store": {"nearest-even": 0, "truncate": 1}}  # fmt: skip
+    named = {"scores": scores, "exp": exp, "lane_sum": lane_sum, "store": store}
+    for key, value in named.items():
+        if value not in codes[key]:
+            raise PrecisionError(f"engine attention: {key}={value!r}: one of {', '.join(codes[key])}")
+    return AttentionVariantStruct(
+        codes["scores"][scores], codes["exp"][exp], codes["lane_sum"][lane_sum], int(p_bf16), int(fma), codes["store"][store],
+        int(scores == "amx"),  # AMX flushes denormals
+    )  # fmt: skip
 
 
 class EngineKernels:
@@ -109,7 +129,8 @@ class EngineKernels:
 
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
-        lib.fxp_attention.argtypes = [_P] * 6 + [_I64] * 7 + [ctypes.c_double, _INT, _I64, _I64] + [_INT] * 8 + [_I64]
+        lib.fxp_attention.argtypes = [_P] * 6 + [_I64] * 7 + [ctypes.c_double, _INT, _I64, _I64, ctypes.POINTER(AttentionVariantStruct),
+                                                                 _INT, _I64]  # fmt: skip
         lib.fxp_attention.restype = None
         lib.fxp_small_batch_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64]
         lib.fxp_small_batch_linear.restype = None
@@ -145,12 +166,12 @@ class EngineKernels:
         causal: bool,
         window: int,
         q_offset: int,
-        variant: list[int],
+        variant: AttentionVariantStruct,
         *,
         rowwise: bool = False,
     ) -> torch.Tensor:
         """q [B, T, H, D], k / v [B, S, KVH, D] bf16 on the CPU; key_lens [B]; mask [B, 1|H, T, S] bool or
-        None; variant: ``ops.variant_codes``. rowwise: one query row at a time (the tiled path's reference)."""
+        None; variant: ``attention_variant(...)``. rowwise: one query row at a time (the tiled path's reference)."""
         tensors = {"q": q, "k": k, "v": v}
         for name, t in tensors.items():
             if t.dtype != torch.bfloat16 or t.dim() != 4 or t.device.type != "cpu":
@@ -175,13 +196,11 @@ class EngineKernels:
                 raise PrecisionError(
                     f"engine attention: the mask must be [B, 1 or H, T, S] = [{B}, 1|{H}, {T}, {S}], got {tuple(mask.shape)}"
                 )
-        if len(variant) != 7:
-            raise PrecisionError(f"engine attention: variant takes 7 codes (ops.variant_codes), got {variant}")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         self.lib.fxp_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), mask.data_ptr() if mask is not None else None,
-            B, T, H, D, S, KVH, heads, float(scale), int(causal), int(window), int(q_offset), *(int(c) for c in variant), int(rowwise),
+            B, T, H, D, S, KVH, heads, float(scale), int(causal), int(window), int(q_offset), ctypes.byref(variant), int(rowwise),
             torch.get_num_threads(),
         )  # fmt: skip
         return out

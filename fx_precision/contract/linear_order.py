@@ -177,8 +177,10 @@ class LinearOrders:
         if not self.calls:
             return "no linear orders read"
         kinds = sorted({c.order.describe() for c in self.calls})
-        return f"{len(self.calls)} linear calls read on {self.threads} engine thread(s): " + "; ".join(kinds[:3]) + (
-            f" (+{len(kinds) - 3} more)" if len(kinds) > 3 else ""
+        return (
+            f"{len(self.calls)} linear calls read on {self.threads} engine thread(s): "
+            + "; ".join(kinds[:3])
+            + (f" (+{len(kinds) - 3} more)" if len(kinds) > 3 else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
@@ -266,7 +268,9 @@ def engine_linear_shapes(model: nn.Module, *args: Any, **kwargs: Any) -> set[tup
     def hook(module: nn.Module, inputs: tuple[Any, ...]) -> None:
         if inputs and isinstance(inputs[0], torch.Tensor):
             alive.append(inputs[0])
-            seen.setdefault(id(inputs[0]), []).append((int(module.weight.shape[0]), int(module.weight.shape[1])))
+            weight = module.weight
+            assert isinstance(weight, torch.Tensor)
+            seen.setdefault(id(inputs[0]), []).append((int(weight.shape[0]), int(weight.shape[1])))
 
     handles = [m.register_forward_pre_hook(hook) for m in model.modules() if isinstance(m, nn.Linear)]
     try:

@@ -1,6 +1,6 @@
 """The ops an engine contract puts into a training graph: opaque to Inductor, differentiable, meta-aware.
 
-    fxp_engine::attention(q, k, v, key_lens, scale, causal, window, q_offset, variant...) -> out
+    fxp_engine::attention(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store)
         forward   engine_kernels.cpp (kernels.py: built at first use): the engine kernel's arithmetic in its order;
                   with AMX, 16 query rows per tile (bitwise the one-row reference, which tests hold)
         backward  plain fp32 attention math (softmax recomputed), gradients in the inputs' dtype
@@ -34,27 +34,11 @@ from typing import Any
 
 import torch
 
-from fx_precision.contract import AttentionArithmetic
 from fx_precision.contract.batch_rows import EngineRows, active_rows
-from fx_precision.contract.kernels import engine_kernels
+from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.linear_order import LinearOrder
+from fx_precision.contract.vocabulary import Rounding
 from fx_precision.errors import PrecisionError
-
-ROUNDING_CODE = {"nearest-even": 0, "truncate": 1}
-
-
-def variant_codes(arith: AttentionArithmetic) -> list[int]:
-    """The kernel's integer switches for one arithmetic (see engine_kernels.cpp)."""
-    return [
-        0 if arith.scores == "amx" else 1,
-        0 if arith.exp == "libm" else 1,
-        0 if arith.reduce == "avx512" else 1,
-        int(arith.p_bf16),
-        int(arith.fma),
-        ROUNDING_CODE[arith.store],
-        int(arith.scores == "amx"),  # AMX flushes denormals
-    ]
-
 
 # ---------------------------------------------------------------------------------------------
 # attention
@@ -88,13 +72,19 @@ def engine_attention(
     causal: bool,
     window: int,
     q_offset: int,
-    variant: list[int],
+    scores: str,
+    exp: str,
+    lane_sum: str,
+    p_bf16: bool,
+    fma: bool,
+    store: str,
 ) -> torch.Tensor:
-    """q [B, T, H, D], k / v [B, S, KVH, D] (bf16), key_lens [B], mask [B, 1|H, T, S] or None:
-    attention as the engine computes it."""
+    """q [B, T, H, D], k / v [B, S, KVH, D] (bf16), key_lens [B], mask [B, 1|H, T, S] or None: attention as the engine
+    computes it, in the arithmetic the named arguments select (``AttentionArithmetic.op_args``)."""
     out_dtype = q.dtype
     q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
-    if variant[0] == 0:
+    variant = attention_variant(scores, exp, lane_sum, p_bf16, fma, store)
+    if scores == "amx":
         _require_amx()
     allowed = allowed_mask(mask)
     if allowed is not None:
@@ -136,7 +126,7 @@ def _require_amx() -> None:
 
 
 @engine_attention.register_fake
-def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, variant):  # type: ignore[no-untyped-def]
+def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store):
     return q.new_empty(q.shape)
 
 
@@ -162,7 +152,7 @@ def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_
 
 
 def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    q, k, v, key_lens, mask, scale, causal, window, q_offset, _ = inputs
+    q, k, v, key_lens, mask, scale, causal, window, q_offset = inputs[:9]
     ctx.save_for_backward(q, k, v, key_lens, mask if mask is not None else torch.empty(0))
     ctx.has_mask = mask is not None
     ctx.options = (scale, causal, window, q_offset)
@@ -183,7 +173,7 @@ def _attention_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     fold = heads // kv_heads  # GQA: each key/value head collects its query heads' gradients
     grad_k = grad_k.reshape(*grad_k.shape[:2], kv_heads, fold, -1).sum(3)
     grad_v = grad_v.reshape(*grad_v.shape[:2], kv_heads, fold, -1).sum(3)
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), None, None, None, None, None, None, None
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 12)
 
 
 engine_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
@@ -204,8 +194,8 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
 
 
 def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: int) -> torch.Tensor:
-    """fp32 -> bf16 by rounding to nearest even (0) or truncating (1)."""
-    if rounding == ROUNDING_CODE["truncate"] and dtype == torch.bfloat16:
+    """fp32 -> bf16 by rounding to nearest even (0) or truncating (1: ``Rounding.TRUNCATE.code``)."""
+    if rounding == Rounding.TRUNCATE.code and dtype == torch.bfloat16:
         x = (x.contiguous().view(torch.int32) & -65536).view(torch.float32)  # the low 16 bits dropped: exact below
     return x.to(dtype)
 
@@ -217,7 +207,7 @@ def engine_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, roundin
 
 
 @engine_rotary.register_fake
-def _(x, cos, sin, rounding):  # type: ignore[no-untyped-def]
+def _(x, cos, sin, rounding):
     return torch.empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=x.dtype, device=x.device)
 
 
@@ -299,7 +289,7 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 @engine_linear.register_fake
-def _(x, weight, bias, logits, engine_out, where):  # type: ignore[no-untyped-def]
+def _(x, weight, bias, logits, engine_out, where):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
@@ -354,7 +344,7 @@ def residual_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 @residual_add.register_fake
-def _(a, b):  # type: ignore[no-untyped-def]
+def _(a, b):
     return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
 
 
@@ -380,7 +370,7 @@ def unrounded_residual(x: torch.Tensor) -> torch.Tensor:
 
 
 @unrounded_residual.register_fake
-def _(x):  # type: ignore[no-untyped-def]
+def _(x):
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
@@ -435,7 +425,7 @@ def eager_math(x: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponen
 
 
 @eager_math.register_fake
-def _(x, op, dims, keepdim, exponent):  # type: ignore[no-untyped-def]
+def _(x, op, dims, keepdim, exponent):
     shaped = _eager(torch.empty_like(x, device="meta"), op, dims, keepdim, exponent)
     return torch.empty(shaped.shape, dtype=shaped.dtype, device=x.device)
 
@@ -494,7 +484,7 @@ def eager_layer_norm(x: torch.Tensor, shape: list[int], weight: torch.Tensor | N
 
 
 @eager_layer_norm.register_fake
-def _(x, shape, weight, bias, eps):  # type: ignore[no-untyped-def]
+def _(x, shape, weight, bias, eps):
     return torch.empty_like(x)
 
 
@@ -511,7 +501,7 @@ def eager_layer_norm_backward(
 
 
 @eager_layer_norm_backward.register_fake
-def _(x, grad, shape, weight, bias, eps):  # type: ignore[no-untyped-def]
+def _(x, grad, shape, weight, bias, eps):
     return [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (x, weight, bias)]
 
 

@@ -22,6 +22,7 @@ from torch import fx
 from fx_precision.passes.graph.annotate import GraphAnnotation, annotate, param_names
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.census import GraphCensus, graph_census
+from fx_precision.passes.graph.kinds import ParamKind
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.passes.repropagate import repropagate
 from fx_precision.passes.rewrites.dtype_following import narrowed_map, retarget_dtype_following
@@ -59,7 +60,7 @@ def analyse_graph(
     *,
     compute: torch.dtype | None,
     units: UnitIndex,
-    known_names: dict[int, tuple[str, str]] | None = None,
+    known_names: dict[int, tuple[str, ParamKind]] | None = None,
     emulate: bool = True,
     index: int = 0,
     fsdp_cast_inputs: bool | None = None,
@@ -70,7 +71,7 @@ def analyse_graph(
     ann = annotate(gm, compute, units, params)
     casts: list[InsertedCast] = []
     retargeted: list[InsertedCast] = []
-    mismatches = []
+    mismatches: list[Any] = []
     if emulate:
         casts, mismatches = emulate_gathers(ann, units)
         if casts:

@@ -5,7 +5,7 @@
                   └── context(...)  the one way a PassContext is made (lint, the backend, eager_casts)
     PassContext   compute dtype, device type, units, example inputs, names, graph index, emulation
                   └── analyse(gm)   the one analysis every step calls
-    GraphRewrite  (name, apply(gm, ctx) -> [InsertedCast])   pipeline step 5 (the engine contract)
+    GraphRewrite  (name, apply(gm, ctx) -> [record])   pipeline step 5 (the engine contract's rewrites)
 
 Its own module so the drivers (``fixed_point``, ``pipeline``) and the rewrites that take a context
 import it without importing each other.
@@ -14,7 +14,7 @@ import it without importing each other.
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -22,7 +22,7 @@ import torch
 from torch import fx
 
 from fx_precision.passes.analysis import GraphAnalysis, analyse_graph
-from fx_precision.passes.graph.casts import InsertedCast
+from fx_precision.passes.graph.kinds import ParamKind
 from fx_precision.passes.graph.units import UnitIndex
 
 
@@ -42,7 +42,7 @@ class GraphSetup:
     fsdp_cast: bool | None = None
 
     def context(
-        self, example_inputs: list[Any] | None, index: int, *, names: dict[int, tuple[str, str]] | None = None, emulate: bool = False
+        self, example_inputs: list[Any] | None, index: int, *, names: dict[int, tuple[str, ParamKind]] | None = None, emulate: bool = False
     ) -> PassContext:
         """The context of graph ``index`` (its example inputs, the parameter names the capture found): every pass
         of that graph reads it. ``emulate``: a plan on one device, so gathers are cast at use."""
@@ -61,7 +61,7 @@ class PassContext:
     device_type: str | None
     units: UnitIndex
     example_inputs: list[Any] | None = None
-    known_names: dict[int, tuple[str, str]] | None = None
+    known_names: dict[int, tuple[str, ParamKind]] | None = None
     index: int = 0
     emulate: bool = False
     fsdp_cast_inputs: bool | None = None
@@ -83,7 +83,7 @@ class PassContext:
 @dataclass(frozen=True)
 class GraphRewrite:
     """A rewrite a caller adds after the precision fix (step 5): ``apply(gm, ctx)`` edits ``gm`` in
-    place and returns what it did, one ``InsertedCast``-like record per change."""
+    place and returns what it did, one record per change (an engine contract's: ``EngineRewrite``)."""
 
     name: str
-    apply: Callable[[fx.GraphModule, PassContext], list[InsertedCast]]
+    apply: Callable[[fx.GraphModule, PassContext], Sequence[object]]

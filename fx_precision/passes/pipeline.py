@@ -45,7 +45,7 @@ class PipelineResult:
     findings: list[Finding]
     casts: list[InsertedCast] = field(default_factory=list)
     rounds: int = 0
-    rewrites: dict[str, list[InsertedCast]] = field(default_factory=dict)
+    rewrites: dict[str, Sequence[object]] = field(default_factory=dict)
 
     @property
     def sources(self) -> list[Finding]:

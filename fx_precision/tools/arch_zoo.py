@@ -30,7 +30,7 @@ import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
-from fx_precision.tools.hf import require_transformers
+from fx_precision.hf import require_transformers
 
 _DIMS: dict[str, Any] = dict(
     vocab_size=256,

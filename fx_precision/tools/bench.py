@@ -41,11 +41,12 @@ from fx_precision.backend import make_precision_backend
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import gathered_eagerly
+from fx_precision.logprobs import logits_of
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
 from fx_precision.spec import parse_precision_rules
 from fx_precision.tools.kernel_census import census_of_code, per_token_size, summary
-from fx_precision.tools.zoo import build_model, forward_kwargs, logits_of, token_batch, vocab_size
+from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch, vocab_size
 
 EMBED_RULE = "<input embeddings>=bf16"  # by role: input_embedding_fqns(model), whatever they are named
 

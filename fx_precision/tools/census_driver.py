@@ -20,8 +20,8 @@ from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
 from fx_precision.module_graph import module_label
 from fx_precision.policy import PrecisionPolicy, resolve_policy
+from fx_precision.ranks import cpu_mesh, rank_device, run_on_ranks
 from fx_precision.spec import PrecisionSpec, parse_precision_rules
-from fx_precision.tools.distributed import cpu_mesh, rank_device, run_on_ranks
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 
 

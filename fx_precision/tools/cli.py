@@ -27,7 +27,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
-from fx_precision.errors import PrecisionError
+from fx_precision.engines import live_engines
+from fx_precision.errors import PrecisionError, precision_error_in
 from fx_precision.tools.zoo import MODEL_HELP
 
 if TYPE_CHECKING:
@@ -43,7 +44,7 @@ class Parser(argparse.ArgumentParser):
 
     argv: tuple[str, ...] = ()  # the command line ``main`` parses (its argv, else sys.argv[1:])
 
-    def error(self, message: str) -> NoReturn:  # type: ignore[override]
+    def error(self, message: str) -> NoReturn:
         if any(arg == "--json" or arg.startswith("--json=") for arg in Parser.argv):
             print(json.dumps({"error": f"{self.prog}: {message}"}))
         self.print_usage(sys.stderr)
@@ -61,6 +62,21 @@ def bounded_int(name: str, low: int, high: int | Callable[[], int], why: str = "
         top = high() if callable(high) else high
         if not low <= value <= top:
             raise argparse.ArgumentTypeError(f"{name} {value} is outside {low}..{top}{' (' + why + ')' if why else ''}")
+        return value
+
+    return parse
+
+
+def bounded_float(name: str, low: float, high: float) -> Callable[[str], float]:
+    """An argparse type: a finite number in [low, high], or an error naming the limit."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{name} takes a number, got {text!r}") from None
+        if not low <= value <= high:  # NaN fails both
+            raise argparse.ArgumentTypeError(f"{name} {text} is outside {low:g}..{high:g}")
         return value
 
     return parse
@@ -237,7 +253,7 @@ def _add_rank_args(p: argparse.ArgumentParser, *, min_ranks: int, default: int, 
 
 def _mesh(args: argparse.Namespace) -> tuple[int, int] | None:
     """``--mesh RxS`` (HSDP) as (replicas, shards), or None."""
-    from fx_precision.tools.distributed import parse_mesh
+    from fx_precision.ranks import parse_mesh
 
     text = getattr(args, "mesh", None)
     return parse_mesh(text) if text else None
@@ -271,7 +287,7 @@ def cmd_census(args: argparse.Namespace) -> int:
 
     if args.wrap is not None:
         raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
-    from fx_precision.tools.distributed import launched
+    from fx_precision.ranks import launched
 
     ((cfg, policy, result),) = run_census([_census_config(args)], world_size=_world_size(args))
     ranks = int(os.environ["WORLD_SIZE"]) if launched() else _world_size(args)
@@ -376,8 +392,8 @@ def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     from fx_precision.dump import check_out_path
+    from fx_precision.ranks import launched
     from fx_precision.tools.compare_sides import dump_on_ranks, train_dump
-    from fx_precision.tools.distributed import launched
 
     check_out_path(args.out, overwrite=args.overwrite)  # before any model runs
     side = _side_config(args, inputs=args.inputs)
@@ -408,8 +424,10 @@ def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Seq
 
 def cmd_compare(args: argparse.Namespace) -> int:
     from fx_precision.compare import compare, gate
+    from fx_precision.dump import is_engine_dump
     from fx_precision.tools.compare_sides import describe, rollout_dump, train_dump
 
+    notes: list[str] = []
     if args.dumps and len(args.dumps) != 2:
         raise PrecisionError(
             f"compare takes two dump directories (A B), or none with --model for the built-in sides; got {len(args.dumps)}"
@@ -421,11 +439,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 f"{', '.join(ignored)} describe the built-in sides; with two dump directories they would be ignored. Drop them, "
                 "or drop the directories"
             )
-        a: Any = args.dumps[0]
-        b: Any = args.dumps[1]
-        head = f"a: {a}\nb: {b}"
-    elif _is_engine_dump(args.rollout):
-        a, b, head = _engine_sides(args)
+        a, b = (_dump_or_engine_files(path) for path in args.dumps)
+        head = f"a: {args.dumps[0]}\nb: {args.dumps[1]}"
+    elif is_engine_dump(args.rollout):
+        a, b, head, notes = _engine_sides(args)
     else:
         if args.contract:
             raise PrecisionError("--contract follows an engine: give --rollout an engine dump (fx-precision rollout writes one)")
@@ -439,79 +456,37 @@ def cmd_compare(args: argparse.Namespace) -> int:
     data = {"a": describe(a), "b": describe(b), **result.to_dict()}
     if args.contract:
         data["contract"] = getattr(b, "contract", None)
-        data["contract_notes"] = contract_notes((data["contract"] or {}).get("evidence", {}), getattr(b, "engine", None) or {})
+        data["contract_notes"] = notes
     _emit(args, data, lambda: f"{head}\n\n{result.render()}")
     if args.fail_above is not None:
-        failure = gate(lp, args.fail_above)
+        unfollowed = f"the contract does not follow the whole run: {notes[0]}" if args.contract and notes else None
+        failure = gate(lp, args.fail_above) or unfollowed
         if failure is not None:
             print(f"fx-precision compare: --fail-above {args.fail_above:g}: {failure}", file=sys.stderr)
             return 1
     return 0
 
 
-def _is_engine_dump(path: str) -> bool:
-    manifest = os.path.join(path, "manifest.json")
-    if path == "bf16" or not os.path.isfile(manifest):
-        return False
-    try:
-        with open(manifest) as f:
-            return bool(json.load(f).get("engine"))
-    except (OSError, json.JSONDecodeError):
-        return False
+def _dump_or_engine_files(path: str) -> Any:
+    """A dump directory (compare reads it), or an engine's own dump files an adapter reads (SGLang's dumper)."""
+    from fx_precision.engines import read_engine_dump
+
+    if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
+        return path
+    return read_engine_dump(path) or path
 
 
-def _engine_sides(args: argparse.Namespace) -> tuple[Any, Any, str]:
-    """The training side run on an engine dump's token ids, from the checkpoint the engine ran."""
-    from fx_precision.dump import load_dump
-    from fx_precision.tools.train_side import TrainConfig, train_against
-    from fx_precision.tools.zoo import is_checkpoint_path
+def _engine_sides(args: argparse.Namespace) -> tuple[Any, Any, str, list[str]]:
+    """The training side run on an engine dump's token ids, from the checkpoint the engine ran (tools/train_side.py)."""
+    from fx_precision.tools.train_side import TrainConfig, against_engine_dump
 
-    if not is_checkpoint_path(args.model):
-        raise PrecisionError(
-            f"--rollout {args.rollout} is an engine dump: --model must be the checkpoint directory the engine ran, got {args.model!r}"
-        )
-    engine = load_dump(args.rollout)
-    if isinstance(engine, dict):
-        raise PrecisionError(f"--rollout {args.rollout}: one dump per rank; an engine dump of this version is one directory")
-    cfg = TrainConfig(
-        args.model,
-        _census_config(args),
-        contract=args.contract is not None,
-        world_size=_world_size(args),
-        compiled=args.compiled,
-        inner=args.inner,
-    )
-    train = train_against(engine, cfg)
-    head = f"a: {train.source}\nb: {engine.source} ({engine.engine.get('kernels') if engine.engine else ''})"
-    if args.contract:
-        from fx_precision.contract import contract_of_dump
-
-        contract = contract_of_dump(engine)
-        head += f"\ncontract: {contract.describe()}"
-        for note in contract_notes(contract.evidence, engine.engine or {}):
-            head += f"\n{note}"
-    return train, engine, head
-
-
-def contract_notes(evidence: dict[str, Any], engine: dict[str, Any]) -> list[str]:
-    """What the contract could not follow in this engine run, each with what to do about it."""
-    notes = []
-    unmatched = [k for k, ok in evidence.get("matched", {}).items() if not ok]
-    if unmatched:
-        notes.append(
-            f"the engine's {', '.join(unmatched)} matched no candidate the contract knows (evidence in the dump's contract): "
-            "expect those ops to differ"
-        )
-    at_run = evidence.get("attention", {}).get("at the run's calls") if isinstance(evidence.get("attention"), dict) else None
-    if isinstance(at_run, dict) and at_run.get("unmatched"):
-        notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run['unmatched'][:3])}")
-    split_parted = not isinstance(at_run, dict) or bool(at_run.get("unmatched"))
-    if int(engine.get("threads") or 1) > 1 and engine.get("split_kv") and split_parted:
-        notes.append(
-            f"the engine ran split-KV attention on {engine['threads']} threads (long sequences' keys split across threads, "
-            "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
-        )
-    return notes
+    cfg = TrainConfig(args.model, _census_config(args), contract=args.contract is not None, world_size=_world_size(args),
+                      compiled=args.compiled, inner=args.inner)  # fmt: skip
+    run = against_engine_dump(args.rollout, cfg, contract_engine=args.contract)
+    head = f"a: {run.train.source}\nb: {run.engine.source} ({(run.engine.engine or {}).get('kernels', '')})"
+    if run.contract is not None:
+        head += f"\ncontract: {run.contract.describe()}" + "".join(f"\n{note}" for note in run.notes)
+    return run.train, run.engine, head, run.notes
 
 
 def finite_nonnegative(text: str) -> float:
@@ -557,31 +532,22 @@ def _prompt_lengths(text: str) -> list[int]:
 
 
 def cmd_rollout(args: argparse.Namespace) -> int:
+    from fx_precision.contract import EngineContract
     from fx_precision.dump import check_out_path
-    from fx_precision.tools.checkpoint import read_checkpoint_config
-    from fx_precision.tools.rollout import RolloutConfig, check_prompts, engine_max_len, read_prompts, run_rollout, synthetic_prompts
+    from fx_precision.engines.adapter import RolloutConfig
+    from fx_precision.engines.rollout import rollout_prompts, run_rollout
 
-    check_out_path(args.out, overwrite=args.overwrite)  # before the engine starts
-    cc = read_checkpoint_config(args.model)
-    prompts = read_prompts(args.prompts) if args.prompts else synthetic_prompts(int(cc.config.vocab_size), args.prompt_lens, args.seed)
-    check_prompts(prompts, int(cc.config.vocab_size), engine_max_len(cc.config), args.max_tokens, args.model)
+    check_out_path(args.out, overwrite=args.overwrite, sources=[args.model])  # before the engine starts
+    prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine)
     cfg = RolloutConfig(
-        model=args.model,
-        prompts=prompts,
-        max_tokens=args.max_tokens,
-        seed=args.seed,
-        modules=args.modules,
-        threads=args.threads,
-        custom_ops=args.custom_ops,
-        split_kv=args.split_kv,
-        isa=args.isa,
-    )
+        model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
+        samples=args.samples, temperature=args.temperature, logprobs=args.logprobs, threads=args.threads, custom_ops=args.custom_ops,
+        split_kv=args.split_kv, isa=args.isa,
+    )  # fmt: skip
     dump = run_rollout(cfg)
     dump.save(args.out, overwrite=args.overwrite)
-    from fx_precision.contract import EngineContract
-
-    contract = EngineContract.from_dict(dump.contract or {})
-    engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls")}
+    contract = EngineContract.from_dict(dump.contract)
+    engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls", "module_steps", "module_logits_calls")}
     sequences = [{"prompt_len": s.prompt_len, "tokens": len(s.tokens)} for s in dump.sequences]
     data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences}
     matched = contract.evidence.get("matched", {})
@@ -594,19 +560,6 @@ def cmd_rollout(args: argparse.Namespace) -> int:
         ),
     )
     return 0
-
-
-def _precision_error_in(exc: BaseException) -> PrecisionError | None:
-    """The PrecisionError an exception carries (itself, or one in its cause / context chain)."""
-    seen: set[int] = set()
-    current: BaseException | None = exc
-    while current is not None and id(current) not in seen:
-        if isinstance(current, PrecisionError):
-            return current
-        seen.add(id(current))
-        inner = getattr(current, "inner_exception", None)
-        current = inner if isinstance(inner, BaseException) else (current.__cause__ or current.__context__)
-    return None
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -765,12 +718,18 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-tokens per prompt with the log-prob of every prompt and generated token, probes the engine's arithmetic (the "
         "contract), and with --modules records every module's inputs and outputs under transformers names.",
     )
-    p.add_argument("--engine", choices=["vllm"], default="vllm")
+    p.add_argument("--engine", choices=live_engines(), default="vllm", help="the engine adapter (fx_precision/engines)")
     p.add_argument("--model", required=True, metavar="CKPT", help="a checkpoint directory (fx-precision checkpoint writes one)")
     p.add_argument("--prompts", metavar="FILE", help="a JSON list of token-id lists (default: synthetic prompts of --prompt-lens)")
     p.add_argument("--prompt-lens", type=_prompt_lengths, default=[7, 40, 150, 301], help="synthetic prompt lengths (default 7,40,150,301)")
     p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=1, help="seed of the synthetic prompts and of sampling")
     p.add_argument("--max-tokens", type=bounded_int("--max-tokens", 1, 4096), default=8, help="tokens sampled per prompt (default 8)")
+    p.add_argument("--samples", type=bounded_int("--samples", 1, 64), default=1, help="samples of each prompt, in one call (default 1)")
+    p.add_argument("--temperature", type=bounded_float("--temperature", 0.0, 10.0), default=1.0, help="sampling temperature (default 1)")
+    p.add_argument(
+        "--logprobs", choices=["raw", "processed"], default="raw",
+        help="the log-probs the engine returns: of the logits as they are (raw, vLLM's default) or at the temperature (processed)",
+    )  # fmt: skip
     p.add_argument("--modules", action="store_true", help="also record every module's inputs and outputs (one prefill per sequence)")
     p.add_argument("--threads", type=bounded_int("--threads", 1, 256), default=1, help="the engine's OpenMP threads (default 1)")
     p.add_argument("--custom-ops", choices=["default", "none"], default="default", help="vLLM's custom ops (none: native torch forms)")
@@ -807,7 +766,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
     parser = build_parser()
     args = parser.parse_args(list(Parser.argv))
-    from fx_precision.tools.distributed import launcher_rank
+    from fx_precision.ranks import launcher_rank
 
     if launcher_rank() != 0:  # under torchrun: rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
@@ -816,7 +775,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return handler(args)
         except Exception as exc:  # Dynamo wraps a backend's error (BackendCompilerFailed), a rank's comes wrapped too
-            inner = _precision_error_in(exc)
+            inner = precision_error_in(exc)
             if inner is None or inner is exc:
                 raise
             raise inner from None

@@ -23,12 +23,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from fx_precision.dump import Dump, DumpRecorder, Record, replace_dump
+from fx_precision.dump import Dump, DumpRecorder, Record
 from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
+from fx_precision.logprobs import logits_of
+from fx_precision.out_dirs import replace_dir
+from fx_precision.ranks import launched, launcher_rank
 from fx_precision.tools.census_driver import CensusConfig
-from fx_precision.tools.distributed import launched, launcher_rank
-from fx_precision.tools.zoo import build_model, forward_kwargs, logits_of, token_batch
+from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 
 
 @dataclass(frozen=True)
@@ -69,7 +71,7 @@ def _ids(model: nn.Module, cfg: CensusConfig) -> torch.Tensor:
 def train_dump(side: SideConfig) -> Dump:
     """Record the training side (see the module docstring)."""
     if side.world_size > 0:
-        from fx_precision.tools.distributed import run_on_ranks
+        from fx_precision.ranks import run_on_ranks
 
         dumps = run_on_ranks(_train_on_rank, side.world_size, side, None)
         return dumps[0]
@@ -114,7 +116,7 @@ def _root_only(model: nn.Module, ids: torch.Tensor, logits: torch.Tensor, comput
 def _train_on_rank(rank: int, world_size: int, side: SideConfig, target: tuple[str, str] | None) -> Dump:
     """Inside a gloo rank: FSDP2 under the policy, every rank on the same token ids, recorded."""
     from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
-    from fx_precision.tools.distributed import cpu_mesh
+    from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)  # the same kernels, blocked alike, whatever the rank count: bitwise comparable
     cfg = side.policy
@@ -136,7 +138,7 @@ def _train_on_rank(rank: int, world_size: int, side: SideConfig, target: tuple[s
         if launched():  # no parent process to rename it: rank 0 does, once every rank has written
             torch.distributed.barrier()
             if rank == 0:
-                replace_dump(Path(staging), Path(final))
+                replace_dir(Path(staging), Path(final))
     return recorder.dump
 
 
@@ -146,16 +148,17 @@ def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: b
     The ranks write a staging directory beside ``out``, renamed into place once all are done: an
     interrupted run leaves the old dump or nothing, and an overwrite replaces every rank's directory."""
     from fx_precision.dump import check_out_path
-    from fx_precision.tools.distributed import run_on_ranks
+    from fx_precision.ranks import run_on_ranks
 
     check_out_path(out, overwrite=overwrite)
     final = Path(out)
-    token = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT") or f"{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    run_id = os.environ.get("TORCHELASTIC_RUN_ID") or os.environ.get("MASTER_PORT")  # the same on every torchrun rank
+    token = f"{os.getppid()}-{run_id}" if launched() and run_id else f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # PID: the writer, alive
     staging = final.parent / f".{final.name}.writing-{token}"
     try:
         dumps = run_on_ranks(_train_on_rank, max(side.world_size, 1), side, (str(staging), str(final)))
         if not launched():
-            replace_dump(staging, final)
+            replace_dir(staging, final)
     finally:
         if not launched() or launcher_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)

@@ -32,8 +32,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fx_precision.logprobs import logits_of
 from fx_precision.tools.arch_zoo import ARCHS, Arch, arch
-from fx_precision.tools.zoo import logits_of
 
 COMPUTE = torch.bfloat16
 Recorder = Callable[[str, str, fx.GraphModule], None]
@@ -101,6 +101,7 @@ def _error(exc: BaseException) -> str:
 def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) -> dict[str, Any]:
     """One architecture's row (see the module docstring); ``record(arch, stage, gm)`` sees each graph."""
     import fx_precision as fxp
+    from fx_precision.lint import lint
 
     row: dict[str, Any] = {"arch": spec.name, "model": spec.model, "patterns": list(spec.patterns), "batch": spec.batch}
     start = time.perf_counter()
@@ -109,8 +110,9 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
     except Exception as exc:  # a transformers version without this architecture, a config it rejects
         row["error"] = f"build: {_error(exc)}"
         return row
-    row["tied"] = model.get_input_embeddings().weight is getattr(model.get_output_embeddings(), "weight", None)
-    vocab = model.config.vocab_size
+    built: Any = model  # a transformers PreTrainedModel
+    row["tied"] = built.get_input_embeddings().weight is getattr(built.get_output_embeddings(), "weight", None)
+    vocab = int(built.config.vocab_size)
     ids = torch.randint(0, vocab, (spec.batch, seq_len), generator=torch.Generator().manual_seed(1))
     autocast = torch.autocast("cpu", dtype=COMPUTE)
     counts: dict[str, int] = {}
@@ -123,7 +125,7 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
         stage = "lint"
         torch._dynamo.reset()
         with autocast:
-            report = fxp.lint(model, input_ids=ids)
+            report = lint(model, input_ids=ids)
         row["lint"] = {
             "by_kind": dict(Counter(f.kind for f in report.findings)),
             "sources": sum(f.is_source for f in report.findings),
@@ -239,7 +241,7 @@ def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
     from fx_precision.eager_fix import eager_casts
     from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
     from fx_precision.policy import resolve_policy
-    from fx_precision.tools.distributed import cpu_mesh
+    from fx_precision.ranks import cpu_mesh
 
     out: dict[str, Any] = {}
     for name in names:
@@ -250,7 +252,8 @@ def census_rows(rank: int, world_size: int, names: list[str]) -> dict[str, Any]:
                 model = spec.build()
                 policy = resolve_policy(model, master="fp32", gather="fp32", compute="bf16")
                 plan = policy.plan(model, wrap=layer_wrap_globs(model))
-                ids = torch.randint(0, model.config.vocab_size, (spec.batch, 8), generator=torch.Generator().manual_seed(1))
+                vocab = int(getattr(model.config, "vocab_size"))  # noqa: B009 (a transformers config)
+                ids = torch.randint(0, vocab, (spec.batch, 8), generator=torch.Generator().manual_seed(1))
                 fix = eager_casts(model, input_ids=ids, policy=policy, plan=plan) if fixed else None
                 apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
                 with fix.apply(model) if fix is not None else contextlib.nullcontext(), policy.forward_context("cpu"):
@@ -268,7 +271,7 @@ def run_sweep(names: list[str] | None = None, *, census: bool = True, record: Re
     specs = [arch(n) for n in names] if names else list(ARCHS)
     census_run: dict[str, Any] = {}
     if census:  # its gloo rank is a process of its own: it runs while this one sweeps
-        from fx_precision.tools.distributed import run_on_ranks
+        from fx_precision.ranks import run_on_ranks
 
         def run_census() -> None:
             try:

@@ -7,24 +7,24 @@ train_against(engine_dump, TrainConfig(checkpoint, policy, contract, world_size,
 ├── run each of the dump's sequences alone (batch 1, call i = sequence i), teacher-forced over
 │   prompt + generated tokens: in process (eager, gathers emulated at use), compiled with
 │   precision_backend (Inductor, or aot_eager), or under FSDP2 on N gloo ranks (rank 0 records)
-└── record: fp32 log_softmax of the bf16 logits at each next token (what the engine's sampler
-    returns), and with --modules on the engine side every module's inputs and outputs, so the
+└── record: the log-prob of each next token as the engine's sampler returned it (fx_precision/logprobs.py:
+    raw, or processed at the dump's temperature), and with --modules on the engine side every module's inputs and outputs, so the
     comparator finds the first module and op where the two part
 """
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
 from torch import nn
 
-from fx_precision.compare import next_token_logprobs
 from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
+from fx_precision.logprobs import LogprobForm, token_logprobs
 from fx_precision.tools.census_driver import CensusConfig
+from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, compile_limits
 
 
 @dataclass(frozen=True)
@@ -38,14 +38,12 @@ class TrainConfig:
     modules: bool = True  # record module inputs and outputs (eager, in process)
 
 
-def _policy(cfg: TrainConfig, model: nn.Module, dump: Dump) -> Any:
-    policy = cfg.policy.policy(model)
-    if cfg.contract:
-        from fx_precision.contract import contract_of_dump
+def run_config(cfg: TrainConfig, dump: Dump) -> RunConfig:
+    """The training side's RunConfig (fx_precision/training_side.py): the policy knobs, and the dump's contract."""
+    from fx_precision.contract import contract_of_dump
 
-        contract = contract_of_dump(dump)
-        policy = replace(policy, gather=torch.bfloat16, compute=torch.bfloat16, cast_forward_inputs=False, contract=contract)
-    return policy
+    contract = contract_of_dump(dump) if cfg.contract else None
+    return RunConfig(cfg.checkpoint, policy=cfg.policy.policy, contract=contract, compiled=cfg.compiled, inner=cfg.inner)
 
 
 def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
@@ -67,31 +65,76 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
     return [EngineRows.of([plan], contract.linears) for plan in plans]
 
 
-def _forward_all(model: Any, dump: Dump, policy: Any, out: Dump, rows: list[Any]) -> None:
-    """Each sequence alone. Compiled, each length is a graph of its own (static shapes): Dynamo may
-    compile as many as it needs, and fails rather than run a frame eagerly (without the pass) past its limit."""
-    import torch._dynamo
-
-    limits = torch._dynamo.config.patch(recompile_limit=max(64, 4 * len(dump.sequences)), fail_on_recompile_limit_hit=True)
-    with limits:
-        _forward_each(model, dump, policy, out, rows)
+def _forward_all(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
+    """Each sequence alone. Compiled, each length is a graph of its own (static shapes)."""
+    with compile_limits(4 * len(dump.sequences)):
+        _forward_each(side, dump, out, rows)
 
 
-def _forward_each(model: Any, dump: Dump, policy: Any, out: Dump, rows: list[Any]) -> None:
-    from fx_precision.contract.batch_rows import engine_rows
+def logprob_form(dump: Dump, policy: Any) -> tuple[LogprobForm, float]:
+    """The log-probs the engine returned (its contract's form, else its recorded mode) and its sampling temperature."""
+    engine = dump.engine or {}
+    contract = getattr(policy, "contract", None)
+    form = contract.logprobs if contract is not None else LogprobForm(str(engine.get("logprobs", "raw")))
+    return form, float(engine.get("temperature", 1.0))
 
+
+def _forward_each(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
+    form, temperature = logprob_form(dump, side.policy)
     for sequence, plan in zip(dump.sequences, rows, strict=True):
         tokens = torch.tensor([sequence.tokens])
-        context = engine_rows(plan) if plan is not None else contextlib.nullcontext()
-        with torch.no_grad(), policy.forward_context("cpu"), context:
-            logits = _logits(model(input_ids=tokens, use_cache=False))
-        out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), next_token_logprobs(logits, tokens)[0])
+        with torch.no_grad():
+            logits = side.logits(tokens, plan)
+        lp = token_logprobs(logits, tokens, form, temperature, [sequence.prompt_len])[0]
+        out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), lp)
 
 
-def _logits(output: Any) -> torch.Tensor:
-    from fx_precision.tools.zoo import logits_of
+@dataclass
+class EngineRun:
+    """The training side against an engine dump: both dumps, the contract it followed (or None), what it does not follow."""
 
-    return logits_of(output)
+    train: Dump
+    engine: Dump
+    contract: Any
+    notes: list[str]
+
+
+def against_engine_dump(path: str, cfg: TrainConfig, *, contract_engine: str | None = None) -> EngineRun:
+    """Read the engine dump at ``path`` against itself (``check_engine_dump``), hold the contract to its evidence where one
+    is followed (``contract_engine``: the engine it must be the contract of), and run the training side on its sequences."""
+    from fx_precision.contract import contract_notes, contract_of_dump
+    from fx_precision.dump import check_engine_dump, load_dump
+    from fx_precision.tools.zoo import is_checkpoint_path
+
+    if not is_checkpoint_path(cfg.checkpoint):
+        raise PrecisionError(
+            f"--rollout {path} is an engine dump: --model must be the checkpoint directory the engine ran, got {cfg.checkpoint!r}"
+        )
+    engine = load_dump(path)
+    if isinstance(engine, dict):
+        raise PrecisionError(f"--rollout {path}: one dump per rank; an engine dump of this version is one directory")
+    check_engine_dump(engine)
+    contract, notes = None, []
+    if cfg.contract:
+        contract = contract_of_dump(engine)
+        if contract_engine is not None and contract.engine != contract_engine:
+            raise PrecisionError(
+                f"--contract {contract_engine}: the dump holds {contract.engine}'s contract; pass --contract {contract.engine}"
+            )
+        notes = contract_notes(contract, engine.engine or {})
+    return EngineRun(train_against(engine, cfg), engine, contract, notes)
+
+
+def first_origin(checkpoint: str, rollout: str, *, contract: bool) -> dict[str, Any]:
+    """Where the training side (eager, in process; under the dump's contract, or as users run it) parts from an engine
+    dump that holds module records: the comparator's first origin module and its first differing op (what the
+    on-policy loop's strict mode reports on the step it stopped at)."""
+    from fx_precision.compare import compare
+
+    run = against_engine_dump(rollout, TrainConfig(checkpoint, CensusConfig(model=checkpoint), contract=contract))
+    result = compare(run.train, run.engine)
+    origin, op = result.first_origin, result.first_op
+    return {"module": origin.fqn if origin else None, "op": op.op_a if op else None, "explanation": op.explanation if op else None}
 
 
 def train_against(dump: Dump, cfg: TrainConfig) -> Dump:
@@ -99,41 +142,30 @@ def train_against(dump: Dump, cfg: TrainConfig) -> Dump:
     if not dump.sequences:
         raise PrecisionError(f"dump {dump.source} holds no token sequences; an engine dump (fx-precision rollout) does")
     if cfg.world_size > 0:
-        from fx_precision.tools.distributed import run_on_ranks
+        from fx_precision.ranks import run_on_ranks
 
         _check_weights(cfg.checkpoint, dump)
         slim = replace(dump, records=[], calls=[], replays={})  # what a rank reads: sequences, steps, contract (not the records)
         return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg)[0]
-    from fx_precision.fsdp import gathered_eagerly
-    from fx_precision.tools.checkpoint import load_checkpoint
-
     _check_weights(cfg.checkpoint, dump)
-    model = load_checkpoint(cfg.checkpoint, dtype=torch.float32)
-    _check_vocabulary(model, dump)
-    policy = _policy(cfg, model, dump)
-    plan = policy.plan(model)
-    out = Dump(type(model).__name__, inputs=cfg.modules and not compiles(cfg), contract=dump.contract if cfg.contract else None)
-    if compiles(cfg):  # the contract is a graph rewrite: "eager" under it is the pass with aot_eager
-        from fx_precision.backend import make_precision_backend
-
-        inner = cfg.inner if cfg.compiled else "aot_eager"
-        backend = make_precision_backend(policy=policy, plan=plan, inner=inner)
-        compiled = torch.compile(model, backend=backend, dynamic=False)
-        _forward_all(compiled, dump, policy, out, _engine_rows(dump, policy))
-        rewrites = {name: n for r in backend.reports for name, n in r.rewrites.items() if n}
-        out.source = f"train, compiled with precision_backend ({inner}; {policy.describe()}; rewrites {rewrites or 'none'})"
+    side = build_training_side(run_config(cfg, dump))
+    _check_vocabulary(side, dump)
+    out = Dump(side.name, inputs=cfg.modules and not side.cfg.compiles(), contract=dump.contract if cfg.contract else None)
+    rows = _engine_rows(dump, side.policy)
+    if side.cfg.compiles():
+        _forward_all(side, dump, out, rows)
+        out.source = f"{side.describe()}; rewrites {side.rewrites() or 'none'}"
         if cfg.modules and cfg.contract and _has_module_records(dump):
-            _record_modules_under_contract(model, dump, policy, plan, inner, out)
+            _record_modules_under_contract(side, dump, out)
         return out
-    with gathered_eagerly(model, plan):
-        if cfg.modules:
-            with DumpRecorder(model, inputs=True, replay=True) as recorder:
-                _forward_all(model, dump, policy, out, _engine_rows(dump, policy))
-            out.records = recorder.dump.records + out.records
-            out.calls, out.replays, out.autocast = recorder.dump.calls, recorder.dump.replays, recorder.dump.autocast
-        else:
-            _forward_all(model, dump, policy, out, _engine_rows(dump, policy))
-    out.source = f"train, eager ({policy.describe()})"
+    if cfg.modules:
+        with DumpRecorder(side.model, inputs=True, replay=True) as recorder:
+            _forward_all(side, dump, out, rows)
+        out.records = recorder.dump.records + out.records
+        out.calls, out.replays, out.autocast = recorder.dump.calls, recorder.dump.replays, recorder.dump.autocast
+    else:
+        _forward_all(side, dump, out, rows)
+    out.source = side.describe()
     return out
 
 
@@ -141,24 +173,24 @@ def _has_module_records(dump: Dump) -> bool:
     return bool((dump.engine or {}).get("module_steps")) and any(r.io in ("in", "out") and r.fqn for r in dump.records)
 
 
-def _record_modules_under_contract(model: nn.Module, dump: Dump, policy: Any, plan: Any, inner: str, out: Dump) -> None:
+def _record_modules_under_contract(side: TrainingSide, dump: Dump, out: Dump) -> None:
     """The module records of the training side under the contract, for the comparator's origins: the same compiled
     graphs with taps (graph_taps.py), each sequence alone on the rows of the engine's module pass (each sequence
     prefilled alone: the batch its module records were computed in); and, on demand, a module run alone under the
     contract on the engine's recorded inputs (the comparator's first differing op)."""
     import torch._dynamo
 
-    from fx_precision.backend import make_precision_backend
     from fx_precision.graph_taps import TapRecorder
+    from fx_precision.training_side import _compile
 
+    model, policy, plan = side.model, side.policy, side.plan
     names = {r.fqn for r in dump.records if r.io in ("in", "out")}
     rows = _engine_rows(dump, policy, steps="module_steps")
     torch._dynamo.reset()  # the hooks are part of what Dynamo traces: fresh graphs, with taps
-    backend = make_precision_backend(policy=policy, plan=plan, inner=inner)
-    compiled = torch.compile(model, backend=backend, dynamic=False)
-    tapped = Dump(type(model).__name__)
+    tapped_side = _compile(replace(side, forward=None, backend=None))
+    tapped = Dump(side.name)
     with TapRecorder(model, only=names) as taps:
-        _forward_all(compiled, dump, policy, tapped, rows)
+        _forward_all(tapped_side, dump, tapped, rows)
     torch._dynamo.reset()
     out.records = taps.dump.records + out.records
     out.calls = taps.dump.calls
@@ -220,56 +252,47 @@ class ContractReplays:
         return []
 
 
-def compiles(cfg: TrainConfig) -> bool:
-    return cfg.compiled or cfg.contract
-
-
 def _check_weights(checkpoint: str, dump: Dump) -> None:
-    from fx_precision.tools.checkpoint import weights_fingerprint
+    """The checkpoint is the one the engine ran: the digest of every byte of every tensor must be the dump's."""
+    from fx_precision.checkpoints import weights_digest
 
     recorded = (dump.engine or {}).get("weights")
-    if recorded and recorded != weights_fingerprint(checkpoint):
+    if not isinstance(recorded, str) or not recorded.startswith("sha256:"):
         raise PrecisionError(
-            f"dump {dump.source} was made from other weights than {checkpoint} (fingerprint {recorded} vs "
-            f"{weights_fingerprint(checkpoint)}): pass the checkpoint the engine ran ({(dump.engine or {}).get('checkpoint')})"
+            f"dump {dump.source} records no weights digest (engine.weights): nothing ties it to a checkpoint, so a comparison "
+            "could blame the engine for other weights. Roll out again with fx-precision rollout of this version"
+        )
+    mine = weights_digest(checkpoint)
+    if recorded != mine:
+        raise PrecisionError(
+            f"dump {dump.source} was made from other weights than {checkpoint} (digest {recorded[:23]}... vs {mine[:23]}...): pass the "
+            f"checkpoint the engine ran ({(dump.engine or {}).get('checkpoint')})"
         )
 
 
-def _check_vocabulary(model: nn.Module, dump: Dump) -> None:
+def _check_vocabulary(side: TrainingSide, dump: Dump) -> None:
+    model = side.model
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     top = max(max(s.tokens) for s in dump.sequences)
     if vocab and top >= vocab:
         raise PrecisionError(
             f"dump {dump.source} holds token id {top}, outside the checkpoint's vocabulary of {vocab}: the dump is of another model"
         )
-    if dump.model and dump.model != type(model).__name__:
+    if dump.model and dump.model != side.name:
         raise PrecisionError(
-            f"dump {dump.source} is of {dump.model}, the checkpoint builds {type(model).__name__}: pass the checkpoint the engine ran"
+            f"dump {dump.source} is of {dump.model}, the checkpoint builds {side.name}: pass the checkpoint the engine ran"
         )
 
 
 def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: TrainConfig) -> Dump:
     """Inside a gloo rank: the checkpoint under FSDP2 (per-layer units, the policy's plan), every rank
     on the same sequences; rank 0's log-probs are the side's."""
-    from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
-    from fx_precision.tools.checkpoint import load_checkpoint
-    from fx_precision.tools.distributed import cpu_mesh
+    from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)
-    model = load_checkpoint(cfg.checkpoint, dtype=torch.float32)
-    _check_vocabulary(model, dump)
-    policy = _policy(cfg, model, dump)
-    plan = policy.plan(model, wrap=layer_wrap_globs(model))
-    name = type(model).__name__  # before FSDP2 makes it FSDP<name>
-    apply_fsdp2(model, plan, mesh=cpu_mesh(world_size), policy=policy)
-    forward: Any = model
-    if compiles(cfg):
-        from fx_precision.backend import make_precision_backend
-
-        inner = cfg.inner if cfg.compiled else "aot_eager"
-        forward = torch.compile(model, backend=make_precision_backend(policy=policy, plan=plan, inner=inner), dynamic=False)
-    out = Dump(name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract else None)
-    _forward_all(forward, dump, policy, out, _engine_rows(dump, policy))
-    how = f", compiled ({cfg.inner})" if cfg.compiled else (", the pass with aot_eager" if compiles(cfg) else "")
-    out.source = f"train, FSDP2 on {world_size} gloo ranks{how} ({policy.describe()})"
+    side = build_training_side(run_config(cfg, dump), mesh=cpu_mesh(world_size))
+    _check_vocabulary(side, dump)
+    out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract else None)
+    _forward_all(side, dump, out, _engine_rows(dump, side.policy))
+    out.source = side.describe()
     return out

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from fx_precision.errors import PrecisionError
-from fx_precision.tools.hf import require_transformers
+from fx_precision.hf import require_transformers
 from fx_precision.tools.toy_decoder import ToyDecoder
 
 
@@ -118,7 +118,7 @@ def model_note(name: str, dtype: torch.dtype | None) -> str | None:
     """For a checkpoint path: which dtype its config stores and which the model is built at."""
     if not is_checkpoint_path(name):
         return None
-    from fx_precision.tools.checkpoint import read_checkpoint_config
+    from fx_precision.checkpoints import read_checkpoint_config
 
     return read_checkpoint_config(name).describe(dtype)
 
@@ -127,7 +127,7 @@ def _factory(name: str, dtype: torch.dtype | None) -> Callable[[], nn.Module]:
     if name in BUILTIN:
         return BUILTIN[name]
     if is_checkpoint_path(name):
-        from fx_precision.tools.checkpoint import build_from_config, read_checkpoint_config
+        from fx_precision.checkpoints import build_from_config, read_checkpoint_config
 
         cc = read_checkpoint_config(name)  # checked here: a bad config is refused before anything is built
         return lambda: build_from_config(cc, dtype=dtype)
@@ -192,16 +192,6 @@ def token_batch(model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: in
         raise PrecisionError(f"--seq-len {seq_len}: {type(model).__name__} has max_position_embeddings={limit}; use at most that")
     gen = torch.Generator().manual_seed(seed)
     return torch.randint(0, vocab_size(model), (batch, seq_len), generator=gen).to(device)
-
-
-def logits_of(output: Any) -> torch.Tensor:
-    """The logits tensor of a model output (plain tensor or a transformers ``ModelOutput``)."""
-    if isinstance(output, torch.Tensor):
-        return output
-    logits = getattr(output, "logits", None)
-    if isinstance(logits, torch.Tensor):
-        return logits
-    raise PrecisionError(f"cannot find logits in a {type(output).__name__}; return a tensor or an object with .logits")
 
 
 def forward_kwargs(model: nn.Module) -> dict[str, Any]:

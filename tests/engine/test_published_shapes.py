@@ -79,7 +79,9 @@ def test_a_planted_mismatch_is_named_by_its_origin_and_op(shaped: dict[str, Path
 
     engine = load_dump(str(shaped["dump"]))
     assert not isinstance(engine, dict)
-    planted = replace(engine, contract={**engine.contract, "norm": "plain"})
+    evidence = engine.contract["evidence"]  # planted with its evidence: a dump whose contract contradicts it is refused
+    kept = {**evidence, "norm": {**evidence["norm"], "kept": "plain"}}
+    planted = replace(engine, contract={**engine.contract, "norm": "plain", "evidence": kept})
     train = train_against(planted, TrainConfig(str(shaped["checkpoint"]), CensusConfig(model=str(shaped["checkpoint"])), contract=True))
     result = compare(train, planted)
     assert result.logprob is not None and result.logprob["prompt"]["bitwise_share"] < 0.5

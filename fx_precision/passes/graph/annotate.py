@@ -159,7 +159,7 @@ def annotate(
     gm: fx.GraphModule,
     compute: torch.dtype | None,
     units: UnitIndex,
-    params: dict[fx.Node, tuple[str, str]],
+    params: dict[fx.Node, tuple[str, ParamKind]],
 ) -> GraphAnnotation:
     """Classify every node (see the module docstring); ``compute=None`` means no autocast."""
     ann = GraphAnnotation(gm, compute)

@@ -79,6 +79,7 @@ class FindingKind(_TextEnum):
     ROUND_TRIP = "round-trip-cast"
     PLAN_MISMATCH = "plan-mismatch"
     WIDE_GATHER = "wide-gather"
+    ENGINE_UNFOLLOWED = "engine-unfollowed"  # under an engine contract: an op the engine runs with a kernel not followed
 
     @property
     def is_source(self) -> bool:

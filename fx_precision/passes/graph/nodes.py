@@ -9,7 +9,8 @@ to placeholders named after their source (``l_self_modules_model_modules_embed_t
 from __future__ import annotations
 
 import re
-from typing import Any, NamedTuple
+from collections.abc import Callable, Collection
+from typing import Any, NamedTuple, TypeGuard
 
 import torch
 from torch import fx
@@ -158,3 +159,16 @@ def is_custom_op(node: fx.Node) -> bool:
     if isinstance(target, torch._ops.OpOverloadPacket):
         return target._qualified_op_name.split("::")[0] not in ("aten", "prims")
     return False
+
+
+ENGINE_MADE = "fxp_engine_made"  # node meta: the op class of the engine-contract rewrite that wrote the node
+
+
+def is_call(node: object, targets: Collection[Any] | Callable[..., Any], method: str | None = None) -> TypeGuard[fx.Node]:
+    """A call_function of one of ``targets``, or a call_method named ``method``."""
+    if not isinstance(node, fx.Node):
+        return False
+    if node.op == "call_method":
+        return method is not None and node.target == method
+    wanted = targets if isinstance(targets, (set, frozenset, list, tuple)) else {targets}
+    return node.op == "call_function" and node.target in wanted

@@ -23,6 +23,8 @@ island) cannot be told apart from one that followed the stream; every retarget i
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import fx
 
@@ -168,8 +170,11 @@ def _meets_compute_in_promotion(user: fx.Node, constant: fx.Node, before: GraphA
     if is_cast(user) or not _promotes_mixed_dtypes(user):
         return False
     others = [before.info.get(o) for o in user.all_input_nodes if o is not constant]
-    return bool(others) and all(
-        o is not None and o.kind is NodeKind.COMPUTE for o in others if o.dtype is not None and o.dtype.is_floating_point
+    known = [o for o in others if o is not None]
+    return (
+        bool(others)
+        and len(known) == len(others)
+        and all(o.kind is NodeKind.COMPUTE for o in known if o.dtype is not None and o.dtype.is_floating_point)
     )
 
 
@@ -189,7 +194,7 @@ def _constant_subgraph(node: fx.Node, before: GraphAnnotation) -> list[fx.Node]:
     return out
 
 
-def _finfo_swap(arg: object, old: torch.dtype, new: torch.dtype) -> object:
+def _finfo_swap(arg: Any, old: torch.dtype, new: torch.dtype) -> Any:
     """``torch.finfo(old).min / max`` baked into a graph argument -> ``finfo(new)``'s."""
     if isinstance(arg, float):
         for which in ("min", "max"):

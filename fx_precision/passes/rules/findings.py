@@ -9,6 +9,8 @@
     FXP202   plan-mismatch      warn                           a parameter seen at a dtype the plan does not predict
     FXP203   wide-gather        info                           a unit gathered wider than compute whose weights only
                                                                feed autocast-covered ops (suggests the rule)
+    FXP301   engine-unfollowed  error                          under an engine contract: an op the engine runs with a
+                                                               kernel the contract does not follow (rules/engine_coverage.py)
 
 Propagations (type_as, residual adds) are not findings: each source counts the wide nodes and
 the wide stream tensors it explains. A source whose wide value never reaches the stream (an fp32
@@ -40,6 +42,7 @@ CODES = {
     FindingKind.ROUND_TRIP: "FXP201",
     FindingKind.PLAN_MISMATCH: "FXP202",
     FindingKind.WIDE_GATHER: "FXP203",
+    FindingKind.ENGINE_UNFOLLOWED: "FXP301",
 }
 
 

@@ -1,6 +1,6 @@
 """``transformers``, an optional extra: imported where a model needs it, one line naming the install where it is absent.
 
-Its own module so that the model zoo, the arch zoo and the checkpoint reader share it without importing
+Its own module so that the checkpoint reader, the model zoo and the arch zoo share it without importing
 each other.
 """
 

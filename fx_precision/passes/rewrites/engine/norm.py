@@ -1,0 +1,111 @@
+"""Op class ``norm``: the norm after a residual add normalises what the engine normalises.
+
+fused-add   the fp32 sum of the two bf16 operands (vLLM's fused_add_rms_norm); the stream keeps their
+            rounded sum. Three forms::
+
+    in one graph         (a + b).to(fp32) -> norm         ->  a.to(fp32) + b.to(fp32) -> norm
+    the add leaves       s = a + b  -> graph output       ->  s = fxp_engine.residual_add(a, b)
+    the norm's input     x (an input).to(fp32) -> norm    ->  fxp_engine.unrounded_residual(x)
+      comes in
+
+            The last two meet across a graph break (an FSDP2 unit boundary, blocks compiled one by one):
+            the sum kept by the first graph is the one the second normalises.
+plain       the model's own rounded sum: nothing to rewrite
+unmatched   a graph with the pattern is refused with the probe's reason
+"""
+
+from __future__ import annotations
+
+import functools
+import operator
+
+import torch
+from torch import fx
+
+from fx_precision.contract import EngineContract
+from fx_precision.contract.vocabulary import NormForm, OpClass
+from fx_precision.passes.context import PassContext
+from fx_precision.passes.graph.nodes import module_path, node_dtype, node_value
+from fx_precision.passes.rewrites.engine.common import ADD, MUL, EngineRewrite, RewriteFn, is_call, reaches_output, record, replace_node
+
+NORM = OpClass.NORM
+
+
+def _widening_cast(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target in ("to", "float") and bool(node.args) and node_dtype(node) == torch.float32
+
+
+def _widening_cast_of_add(node: fx.Node) -> fx.Node | None:
+    """The ``add`` a node widens to fp32 (``.to(torch.float32)``, ``.float()``), when both its operands are narrow."""
+    if not _widening_cast(node):
+        return None
+    source = node.args[0]
+    if not is_call(source, ADD, "add") or len(source.all_input_nodes) != 2:
+        return None
+    if any(node_dtype(a) not in (torch.bfloat16, torch.float16) for a in source.all_input_nodes):
+        return None
+    return source
+
+
+def _feeds_mean_of_squares(node: fx.Node) -> bool:
+    for user in node.users:
+        power = is_call(user, torch.pow, "pow") and user.args[1:2] == (2,)
+        squared = power or (is_call(user, MUL, "mul") and user.args[:2] == (node, node))
+        if squared and any(is_call(u, torch.mean, "mean") for u in user.users):
+            return True
+    return False
+
+
+def _placeholder_through_views(node: object) -> bool:
+    while isinstance(node, fx.Node):
+        if node.op == "placeholder":
+            return True
+        if node.op == "call_method" and node.target in ("view", "reshape", "contiguous") and node.args:
+            node = node.args[0]
+        else:
+            return False
+    return False
+
+
+def _narrow_pair(node: fx.Node) -> bool:
+    operands = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+    if len(operands) != 2 or node.kwargs:
+        return False
+    dtypes = {node_dtype(a) for a in operands}
+    values = [node_value(a) for a in operands]
+    shapes = [v.shape if isinstance(v, torch.Tensor) else None for v in values]
+    return len(dtypes) == 1 and dtypes <= {torch.bfloat16, torch.float16} and shapes[0] is not None and shapes[0] == shapes[1]
+
+
+def _fp32_sum(graph: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:
+    return graph.call_function(operator.add, (graph.call_method("to", (a, torch.float32)), graph.call_method("to", (b, torch.float32))))
+
+
+def fuse_add_norm(contract: EngineContract) -> RewriteFn:
+    """The op class's rewrite for ``contract`` (module docstring)."""
+
+    def rewrite(gm: fx.GraphModule, ctx: PassContext) -> list[EngineRewrite]:
+        graph = gm.graph
+        fused = [(n, add) for n in graph.nodes if (add := _widening_cast_of_add(n)) is not None and _feeds_mean_of_squares(n)]
+        taken = [n for n in graph.nodes if _widening_cast(n) and _placeholder_through_views(n.args[0]) and _feeds_mean_of_squares(n)]
+        leaving = [n for n in graph.nodes if n.op == "call_function" and is_call(n, ADD) and _narrow_pair(n) and reaches_output(n)]
+        if contract.norm is None and (fused or taken):
+            raise contract.refused(NORM, module_path(fused[0][0] if fused else taken[0]))
+        if contract.norm != NormForm.FUSED_ADD:
+            return []
+        done = []
+        for node, add in fused:
+            made = replace_node(graph, node, functools.partial(_fp32_sum, graph, *add.all_input_nodes), NORM)
+            done.append(record(NORM, made, add, "the norm normalises the fp32 sum of the residual add (the stream keeps its rounding)"))
+        unrounded, kept = torch.ops.fxp_engine.unrounded_residual.default, torch.ops.fxp_engine.residual_add.default
+        for node in taken:
+            made = replace_node(graph, node, functools.partial(graph.call_function, unrounded, (node.args[0],)), NORM)
+            done.append(record(NORM, made, made, "across a graph break: the norm takes the fp32 sum the residual add kept"))
+        for node in leaving:
+            made = replace_node(graph, node, functools.partial(graph.call_function, kept, tuple(node.args[:2])), NORM)
+            done.append(record(NORM, made, made, "a residual sum leaving the graph: its fp32 sum kept for the next graph's norm"))
+        if done:
+            gm.recompile()
+        return done
+
+    return rewrite
