@@ -56,7 +56,7 @@ _EXPORTS: dict[str, str] = {
     "EagerFix": "fx_precision.eager_fix",
     "EagerHook": "fx_precision.eager_fix",
     "precision_backend": "fx_precision.backend",
-    # the engine contract, the training side and the engine process, for users who bring their own loop
+    # the engine contract and the on-policy loop, for users who bring their own loop (docs/onpolicy.md)
     "EngineContract": "fx_precision.contract",
     "RunConfig": "fx_precision.training_side",
     "TrainingSide": "fx_precision.training_side",
@@ -69,7 +69,10 @@ _EXPORTS: dict[str, str] = {
     "RolloutConfig": "fx_precision.engines.adapter",
     "EngineProcess": "fx_precision.engines.client",
     "engine_python": "fx_precision.engines.client",
+    "full_bf16_weights": "fx_precision.onpolicy.weights",
     "tensors_digest": "fx_precision.checkpoints",
+    "OnPolicyConfig": "fx_precision.onpolicy",
+    "run_onpolicy": "fx_precision.onpolicy",
 }
 __all__ = sorted(_EXPORTS)
 _CALLABLE_MODULES = ("census", "lint", "dump", "compare")  # a module named like its function, callable as it

@@ -14,6 +14,7 @@ fx-precision dump      every module call's outputs of one forward, to a director
 fx-precision compare   where two forwards part: first origin module and op, log-prob |delta|, K3 KL
 fx-precision checkpoint  a seeded random checkpoint of an arch-zoo architecture, bf16, for both sides
 fx-precision rollout   a real engine (vLLM) on token ids: log-probs, sampled tokens, modules, its contract
+fx-precision onpolicy  an RL loop: FSDP2 trainer + live engine, weights synced each step, log-probs certified bitwise
 """
 
 from __future__ import annotations
@@ -562,6 +563,33 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_onpolicy(args: argparse.Namespace) -> int:
+    from fx_precision.engines.prompts import read_prompts
+    from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
+    from fx_precision.onpolicy.report import plot, summary_line, table
+
+    if args.plot is not None and not str(args.plot).lower().endswith(".png"):
+        raise PrecisionError(f"--plot {args.plot}: a .png file")
+    cfg = OnPolicyConfig(
+        checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
+        prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
+        world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
+        micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
+        modules=args.modules, overwrite=args.overwrite,
+    )  # fmt: skip
+    run = run_onpolicy(cfg)
+    if run.stopped is not None and cfg.modules:  # the comparator on the step it stopped at: the first origin
+        from fx_precision.tools.train_side import first_origin
+
+        last = os.path.join(run.out, "last")
+        run.origin = first_origin(os.path.join(last, "checkpoint"), os.path.join(last, "rollout"), contract=cfg.contract == "vllm")
+        run.stopped += f"; first origin: {run.origin['module']} (op {run.origin['op']})"
+    if args.plot is not None:
+        plot([(f"--contract {cfg.contract}", run)], args.plot)
+    _emit(args, run.to_dict(), lambda: f"{table(run)}\n{summary_line(run)}" + (f"\nstopped: {run.stopped}" if run.stopped else ""))
+    return 1 if run.stopped else 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = Parser(
         prog="fx-precision",
@@ -746,6 +774,79 @@ def build_parser() -> argparse.ArgumentParser:
     _add_out_args(p, "dump")
     _add_json_arg(p)
     p.set_defaults(handler=cmd_rollout)
+
+    p = sub.add_parser(
+        "onpolicy",
+        help="an on-policy RL loop: FSDP2 trainer (fp32 masters, compiled, the engine contract) and a live vLLM, "
+        "weights synced every step, the rollout's log-probs certified equal to the trainer's",
+        description="Each step: the bf16 rounding of the trainer's masters synced to the engine (a memory-backed file, "
+        "loaded in place, its digest checked), P prompts x G samples sampled at --temperature, the trainer's recompute and "
+        "first training forward in padded micro-batches, a GRPO loss on a toy reward (the share of sampled ids divisible "
+        "by 4), AdamW; the rollout, recompute and first-forward log-probs of every sampled token compared as bit "
+        "patterns. --mode strict stops at the first mismatch (exit 1), audit reports and goes on. --out DIR keeps the "
+        "last step's checkpoint and rollout dump (DIR/last) and metrics.json. The engine runs in its environment "
+        "(--engine-python).",
+    )
+    p.add_argument(
+        "--model", required=True, metavar="CKPT", help="the starting checkpoint directory (its bf16 weights become fp32 masters)"
+    )
+    p.add_argument("--steps", type=bounded_int("--steps", 1, 100_000), default=10, help="RL steps (default 10)")
+    p.add_argument(
+        "--prompts", metavar="FILE", help="a JSON list of token-id lists, the same every step (default: fresh synthetic prompts)"
+    )
+    p.add_argument(
+        "--prompt-lens",
+        type=_prompt_lengths,
+        default=[8, 12, 16, 24],
+        help="synthetic prompt lengths, drawn anew each step (default 8,12,16,24)",
+    )
+    p.add_argument("--samples", type=bounded_int("--samples", 1, 64), default=4, help="G: samples of each prompt (default 4)")
+    p.add_argument("--max-tokens", type=bounded_int("--max-tokens", 1, 4096), default=8, help="tokens sampled per sample (default 8)")
+    p.add_argument("--temperature", type=bounded_float("--temperature", 0.0, 10.0), default=1.0, help="sampling temperature (default 1)")
+    p.add_argument(
+        "--world-size", type=bounded_int("--world-size", 1, _max_ranks, RANKS_WHY), default=2, help="FSDP2 gloo ranks (default 2)"
+    )
+    p.add_argument(
+        "--compiled",
+        action="store_true",
+        help="compile the trainer's forward with precision_backend over Inductor (the contract always compiles: aot_eager without this)",
+    )
+    p.add_argument(
+        "--contract",
+        choices=["vllm", "none"],
+        default="vllm",
+        help="follow the engine's contract (vllm) or run as users do today (none: fp32 gather, bf16 autocast)",
+    )
+    p.add_argument(
+        "--mode", choices=["strict", "audit"], default="strict", help="strict: stop at the first mismatch; audit: report and go on"
+    )
+    p.add_argument(
+        "--lr",
+        type=bounded_float("--lr", 1e-8, 0.5),
+        default=1.5e-2,
+        help="AdamW learning rate (default 1.5e-2: the toy task learns in 10 steps)",
+    )
+    p.add_argument(
+        "--micro-batch", type=bounded_int("--micro-batch", 1, 256), default=4, help="sequences per padded micro-batch (default 4)"
+    )
+    p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=0, help="seed of the prompts and of sampling")
+    p.add_argument(
+        "--engine-python", metavar="PYTHON", help="the engine environment's python (default: $FXP_ENGINE_PYTHON, ./.venv-engine/bin/python)"
+    )
+    p.add_argument(
+        "--engine-threads",
+        type=bounded_int("--engine-threads", 1, 256),
+        default=1,
+        help="the engine's OpenMP threads (default 1; split-KV off)",
+    )
+    p.add_argument(
+        "--modules", action="store_true",
+        help="strict mode: the step it stops at records the engine's modules, and the comparator names the first origin",
+    )  # fmt: skip
+    p.add_argument("--plot", metavar="PNG", help="write reward and mismatch per step to this PNG (needs matplotlib)")
+    _add_out_args(p, "on-policy run")
+    _add_json_arg(p)
+    p.set_defaults(handler=cmd_onpolicy)
 
     p = sub.add_parser(
         "demo",

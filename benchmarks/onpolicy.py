@@ -1,0 +1,144 @@
+"""The on-policy loop, measured: the step under the engine contract against the same step as users run it today.
+
+    one checkpoint (a seeded tiny one of --arch, or a published shape: --shape NAME --layers N), one run per mode,
+    the same prompts, samples, temperature, ranks and compilation:
+    ├── --contract vllm   gather bf16, compute bf16, the contract's rewrites, the engine's row plans
+    └── --contract none   fp32 gather, bf16 autocast (what RL trainers run today)
+    per run: mismatched sampled tokens per step, the reward, and the time split (sync, rollout, probe, recompute,
+    train, save); the cost is the median step (steps 1.., step 0 compiles) with the contract over the one without,
+    and the trainer's part alone (recompute + train)
+
+Run from the main environment (the engine environment from ``python -m fx_precision.tools.engine_env``):
+
+    python benchmarks/onpolicy.py --engine-python .venv-engine/bin/python [--arch qwen3] [--steps 10]
+        [--temperature 1.0] [--json benchmarks/results/onpolicy-cpu.json] [--plot benchmarks/results/onpolicy-cpu.png]
+
+Prints a table of both runs; JSON with the machine, the versions and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+from tabulate import tabulate
+
+from fx_precision.onpolicy import OnPolicyConfig, OnPolicyRun, run_onpolicy
+from fx_precision.onpolicy.report import plot, summary_line
+from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
+
+CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "configs"
+MODES = ("vllm", "none")
+
+
+def median_of(run: OnPolicyRun, *phases: str) -> float:
+    later = run.steps[1:] or run.steps
+    return statistics.median(sum(s.seconds.get(p, 0.0) for p in phases) for s in later)
+
+
+def row(run: OnPolicyRun) -> dict[str, Any]:
+    s = run.summary()
+    return {
+        "contract": run.config["contract"],
+        "steps": s["steps"],
+        "steps without mismatch": s["mismatch_free_steps"],
+        "mismatched tokens": f"{s['mismatches']} / {s['tokens']}",
+        "reward first 3 -> last 3": f"{s['reward_first3']:.3f} -> {s['reward_last3']:.3f}",
+        "step s (median)": round(median_of(run, "step"), 3),
+        "trainer s (recompute + train)": round(median_of(run, "recompute", "train"), 3),
+        "sync s": round(median_of(run, "sync"), 3),
+        "rollout s": round(median_of(run, "rollout"), 3),
+        "probe s": round(median_of(run, "probe"), 3),
+        "save s": round(median_of(run, "save"), 3),
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--engine-python", default=".venv-engine/bin/python")
+    parser.add_argument("--arch", default="qwen3", help="a tiny checkpoint of this architecture (default qwen3)")
+    parser.add_argument("--shape", help="a published shape instead (tests/configs/NAME), with --layers")
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=10)
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--prompt-lens", default="8,12,16,24")
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--json", help="write the measurement here")
+    parser.add_argument("--plot", help="write reward and mismatch per step of both runs here (PNG)")
+    args = parser.parse_args()
+    started = time.perf_counter()
+    runs: dict[str, OnPolicyRun] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        if args.shape:
+            checkpoint = write_shaped_checkpoint(CONFIGS / args.shape, root / "ckpt", layers=args.layers, seed=5)
+        else:
+            checkpoint = write_tiny_checkpoint(args.arch, root / "ckpt", seed=5)
+        for mode in MODES:
+            cfg = OnPolicyConfig(
+                checkpoint=str(checkpoint), out=str(root / f"run-{mode}"), steps=args.steps,
+                prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")), samples=args.samples, max_tokens=args.max_tokens,
+                temperature=args.temperature, world_size=args.world_size, compiled=True, contract=mode, mode="audit",
+                engine_python=args.engine_python,
+            )  # fmt: skip
+            runs[mode] = run_onpolicy(cfg)
+            print(summary_line(runs[mode]), flush=True)
+    rows = [row(runs[m]) for m in MODES]
+    ratio = median_of(runs["vllm"], "step") / median_of(runs["none"], "step")
+    trainer_ratio = median_of(runs["vllm"], "recompute", "train") / median_of(runs["none"], "recompute", "train")
+    what = args.shape or f"tiny {args.arch}"
+    print(f"\non-policy loop, {what}, FSDP2 x{args.world_size}, compiled, G={args.samples}, T={args.temperature}, torch "
+          f"{torch.__version__}, {_cpu_model()}")  # fmt: skip
+    print(tabulate(rows, headers="keys"))
+    print(f"step with the contract / without: {ratio:.3f}x (trainer alone: {trainer_ratio:.3f}x)")
+    if args.plot:
+        plot([(f"--contract {m}", runs[m]) for m in MODES], args.plot)
+    if args.json:
+        payload = {
+            "command": "python " + " ".join(sys.argv),
+            "fx_precision": _version(),
+            "torch": torch.__version__,
+            "machine": platform.machine(),
+            "cpu": _cpu_model(),
+            "cores": os.cpu_count(),
+            "checkpoint": what,
+            "step_ratio": round(ratio, 4),
+            "trainer_ratio": round(trainer_ratio, 4),
+            "rows": rows,
+            "runs": {m: runs[m].to_dict() for m in MODES},
+            "seconds": round(time.perf_counter() - started, 1),
+        }
+        Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
+
+
+def _version() -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version("fx_precision")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def _cpu_model() -> str:
+    with contextlib.suppress(OSError):
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    return platform.processor()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The trainer's current weights as the engine runs them: the bf16 rounding of the fp32 masters, under checkpoint names.
+
+    full_bf16_weights(model, names)   every rank calls it (under FSDP2 each DTensor is gathered whole: a collective
+                                      in ``names`` order); the bf16 rounding (nearest even) of each master, which is
+                                      what FSDP2's bf16 gather computes for the training forward too
+    checkpoint_bf16_weights(path, names)  the same of a checkpoint's stored tensors (the masters before any update are
+                                      its values: what step 0 of the loop sends without a gather)
+    write_weights(weights, file)      one safetensors file (memory-backed where it can be): what the engine loads
+
+Names are the checkpoint's (its safetensors keys): a tied output projection stored once is sent once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from fx_precision.errors import PrecisionError
+
+
+def full_bf16_weights(model: nn.Module, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``names`` -> the whole bf16 tensor of each (module docstring)."""
+    from torch.distributed.tensor import DTensor
+
+    state = model.state_dict(keep_vars=True)
+    missing = [n for n in names if n not in state]
+    if missing:
+        raise PrecisionError(f"weight sync: the trainer's model has no {missing[:3]} (checkpoint names it does not hold)")
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        value = state[name]
+        key = id(value)
+        if key not in gathered:
+            with torch.no_grad():
+                whole = value.full_tensor() if isinstance(value, DTensor) else value
+                gathered[key] = whole.detach().to(torch.bfloat16).contiguous()
+        out[name] = gathered[key]
+    return out
+
+
+def checkpoint_bf16_weights(path: str, names: Sequence[str]) -> dict[str, torch.Tensor]:
+    """``names`` -> the bf16 rounding (nearest even) of each stored tensor of the checkpoint at ``path``."""
+    from safetensors import safe_open
+
+    from fx_precision.checkpoints import stored_tensors
+
+    files = {t.name: t.file for t in stored_tensors(path)}
+    out: dict[str, torch.Tensor] = {}
+    for name in names:
+        if name not in files:
+            raise PrecisionError(f"weight sync: {path} stores no {name}")
+        with safe_open(str(files[name]), framework="pt") as handle:
+            out[name] = handle.get_tensor(name).to(torch.bfloat16).contiguous()
+    return out
+
+
+def write_weights(weights: dict[str, torch.Tensor], file: Path) -> None:
+    """``weights`` as one safetensors file, written beside ``file`` and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = file.with_name(f".{file.name}.writing")
+    save_file({n: t.clone() if _shares_storage(t, weights, n) else t for n, t in weights.items()}, str(tmp))
+    tmp.replace(file)
+
+
+def _shares_storage(tensor: torch.Tensor, weights: dict[str, torch.Tensor], name: str) -> bool:
+    """safetensors refuses tensors that share memory: a tied weight sent under two names is cloned for the second."""
+    return any(other is tensor and n < name for n, other in weights.items())

@@ -1,0 +1,217 @@
+"""The on-policy loop against a live vLLM: FSDP2 on 2 gloo ranks, compiled, G = 4, weights synced every step.
+
+    under the contract, the rollout's log-probs, the recompute's and the first training forward's are one bit pattern
+    for every sampled token of every step (ratio exactly 1), at T = 1.0 (Qwen3-style) and T = 0.7 (Llama-style)
+    the weights change every step, and a separate `fx-precision rollout` of DIR's final checkpoint gives the last
+    rollout's log-probs bit for bit: the engine ran the trainer's weights
+    as users run it today (--contract none) every step mismatches, reported the same way; the reward rises either way
+    strict mode stops at the first mismatch naming it; bad input and an engine that dies are one line, DIR stays whole
+
+The checkpoints are of sizes no other test uses (widths, heads, KV heads, layers), each run is `fx-precision onpolicy`
+in its own process, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from fx_precision.dump import check_engine_dump, load_dump
+from fx_precision.tools.checkpoint import write_tiny_checkpoint
+
+CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+STEPS, SAMPLES, MAX_TOKENS = 10, 4, 8
+SHAPES = {
+    "qwen3": {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 320,
+              "num_hidden_layers": 2},
+    "llama": {"hidden_size": 160, "num_attention_heads": 5, "num_key_value_heads": 5, "head_dim": 32, "intermediate_size": 288,
+              "num_hidden_layers": 2},
+}  # fmt: skip
+
+
+def onpolicy(checkpoint: Path, out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    args = ["onpolicy", "--model", str(checkpoint), "--out", str(out), "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS),
+            "--json", str(out) + ".json", *extra]  # fmt: skip
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"fx-precision {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+def report(out: Path) -> dict[str, Any]:
+    return json.loads(Path(str(out) + ".json").read_text())
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    root = tmp_path_factory.mktemp("onpolicy")
+    made: dict[str, Any] = {}
+    for arch, temperature in (("qwen3", "1.0"), ("llama", "0.7")):
+        checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=5, dims=SHAPES[arch])
+        out = root / f"run-{arch}"
+        onpolicy(checkpoint, out, "--steps", str(STEPS), "--temperature", temperature, "--world-size", "2", "--compiled")
+        made[arch] = {"checkpoint": checkpoint, "out": out, "report": report(out), "temperature": temperature}
+    out = root / "run-none"
+    onpolicy(made["qwen3"]["checkpoint"], out, "--steps", str(STEPS), "--world-size", "2", "--compiled", "--contract", "none",
+             "--mode", "audit")  # fmt: skip
+    made["none"] = {"out": out, "report": report(out)}
+    return made
+
+
+def _rising(steps: list[dict[str, Any]]) -> bool:
+    rewards = [s["reward"] for s in steps]
+    return sum(rewards[-3:]) / 3 > sum(rewards[:3]) / 3
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_every_sampled_log_prob_of_every_step_is_one_bit_pattern_on_both_sides(runs: dict[str, Any], arch: str) -> None:
+    data = runs[arch]["report"]
+    steps = data["steps"]
+    assert len(steps) == STEPS and data["stopped"] is None
+    prompts = len(data["config"]["prompt_lens"])
+    for s in steps:
+        assert s["tokens"] == prompts * SAMPLES * MAX_TOKENS, s  # every sampled token certified
+        assert s["mismatches"] == s["recompute_mismatches"] == s["forward_mismatches"] == 0, s
+        assert s["ratio_min"] == 1.0 and s["ratio_max"] == 1.0 and s["k3_kl"] == 0.0 and s["max_delta"] == 0.0, s
+        assert s["prompt_mismatches"] == 0 and s["prompt_tokens"] > 0, s
+    assert data["config"]["world_size"] == 2 and data["config"]["compiled"] and data["config"]["samples"] == SAMPLES
+    assert float(data["config"]["temperature"]) == float(runs[arch]["temperature"])
+    assert _rising(steps), [s["reward"] for s in steps]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_the_weights_change_every_step_and_the_engine_ran_the_trainers(runs: dict[str, Any], arch: str, tmp_path: Path) -> None:
+    """The engine's log-probs of one fixed sequence differ from step to step, every sync's digest is new; an independent
+    rollout of DIR's final checkpoint (the same prompts, samples, seed and temperature) gives the last rollout's
+    log-probs bit for bit, and that checkpoint digests to what the engine reported loading."""
+    from fx_precision.checkpoints import weights_digest
+
+    out, steps = runs[arch]["out"], runs[arch]["report"]["steps"]
+    fixed = [s["fixed_logprobs"] for s in steps]
+    assert all(a != b for a, b in itertools.pairwise(fixed)), fixed
+    assert len({s["weights"] for s in steps}) == STEPS
+    last = out / "last"
+    assert last.resolve().name == f"{STEPS - 1:04d}" and weights_digest(last / "checkpoint") == steps[-1]["weights"]
+    engine = load_dump(str(last / "rollout"))
+    assert not isinstance(engine, dict)
+    check_engine_dump(engine)
+    prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in engine.sequences))
+    (tmp_path / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
+    again = tmp_path / "again"
+    done = subprocess.run([*CLI, "rollout", "--model", str(last / "checkpoint"), "--prompts", str(tmp_path / "prompts.json"),
+                           "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS), "--temperature", runs[arch]["temperature"],
+                           "--seed", str(STEPS - 1), "--logprobs", "processed", "--split-kv", "off", "--out", str(again)],
+                          capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    independent = load_dump(str(again))
+    assert not isinstance(independent, dict)
+    assert [s.tokens for s in independent.sequences] == [s.tokens for s in engine.sequences]  # the same samples
+    records = zip(engine.logprob_records(), independent.logprob_records(), strict=True)
+    for s, (a, b) in zip(engine.sequences, records, strict=True):  # every prompt and sampled token's log-prob, as bits
+        assert a.path == b.path and torch.equal(a.tensor.view(torch.int32), b.tensor.view(torch.int32)), (s.prompt_len, a, b)
+
+
+def test_as_users_run_it_every_step_mismatches_and_is_reported_the_same_way(runs: dict[str, Any]) -> None:
+    data = runs["none"]["report"]
+    assert data["contract"] is None and data["stopped"] is None and len(data["steps"]) == STEPS
+    for s in data["steps"]:
+        assert s["mismatches"] > 0 and s["max_delta"] > 0 and s["ratio_min"] < 1.0 < s["ratio_max"], s
+        assert s["first_mismatch"] is not None and s["k3_kl"] > 0
+    assert _rising(data["steps"]), [s["reward"] for s in data["steps"]]
+
+
+def test_strict_mode_stops_at_the_first_mismatch_naming_step_sequence_and_token(runs: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "strict"
+    done = onpolicy(runs["qwen3"]["checkpoint"], out, "--steps", "3", "--world-size", "1", "--contract", "none", "--modules",
+                    check=False)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-3000:]
+    data = report(out)
+    assert len(data["steps"]) == 1 and data["stopped"].startswith("step 0: ")
+    first = data["steps"][0]["first_mismatch"]
+    assert f"sequence {first['sequence']}, token {first['token']}" in data["stopped"]
+    # the step's dump holds the engine's modules: the comparator names where as-is parts (bf16 autocast, fp32 gather)
+    assert data["origin"]["module"].startswith("model.") and data["origin"]["op"], data["origin"]
+    assert f"first origin: {data['origin']['module']}" in data["stopped"]
+    assert (out / "last" / "rollout").is_dir() and (out / "last" / "checkpoint" / "model.safetensors").is_file()
+
+
+def test_bad_input_is_one_line_before_a_rank_or_the_engine_starts(runs: dict[str, Any], tmp_path: Path) -> None:
+    checkpoint = runs["qwen3"]["checkpoint"]
+    (tmp_path / "outside.json").write_text(json.dumps([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 4096, 11]]))
+    (tmp_path / "short.json").write_text(json.dumps([[1, 2, 3]]))
+    cases = [
+        (("--samples", "0"), "--samples 0 is outside 1..64"),
+        (("--prompts", str(tmp_path / "outside.json")), "prompt 1: token id 4096 is outside the vocabulary"),
+        (("--prompts", str(tmp_path / "short.json")), "needs prompts of at least 5 tokens"),
+        (("--prompt-lens", "3,9"), "--prompt-lens 3: this engine build needs prompts of at least 5 tokens"),
+        (("--plot", str(tmp_path / "plot.svg")), "--plot"),
+        (("--engine-python", str(tmp_path / "no-python")), "no such file"),
+    ]
+    for extra, needle in cases:
+        out = tmp_path / "d"
+        done = onpolicy(checkpoint, out, "--steps", "1", *extra, check=False)
+        last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
+        assert done.returncode == 2 and needle in last and "Traceback" not in done.stderr, (extra, done.stderr[-2000:])
+        assert not out.exists(), extra
+    done = onpolicy(checkpoint, checkpoint / "run", "--steps", "1", check=False)  # DIR inside its own source
+    assert done.returncode == 2 and "sits inside" in done.stderr and not (checkpoint / "run").exists()
+
+
+def _engine_pids(parent: int) -> list[int]:
+    """The engine server processes below ``parent`` (read from /proc)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            cmdline = (entry / "cmdline").read_bytes().replace(b"\0", b" ").decode()
+            if "fx_precision.engines.serve" not in cmdline:
+                continue
+            pid = int(entry.name)
+            while pid > 1:
+                stat = (Path("/proc") / str(pid) / "stat").read_text()
+                pid = int(stat.rsplit(")", 1)[1].split()[1])
+                if pid == parent:
+                    found.append(int(entry.name))
+                    break
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
+
+
+def test_an_engine_that_dies_mid_run_is_one_line_and_dir_keeps_the_last_complete_step(runs: dict[str, Any], tmp_path: Path) -> None:
+    out = tmp_path / "dies"
+    args = ["onpolicy", "--model", str(runs["qwen3"]["checkpoint"]), "--out", str(out), "--steps", "40", "--world-size", "1",
+            "--samples", "2", "--max-tokens", "4"]  # fmt: skip
+    proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline and proc.poll() is None:
+        metrics = out / "metrics.json"
+        if metrics.exists() and len(json.loads(metrics.read_text())["steps"]) >= 2:
+            break
+        time.sleep(0.2)
+    pids = _engine_pids(proc.pid)
+    assert pids and proc.poll() is None, "the run ended before its engine could be stopped"
+    for pid in pids:
+        os.kill(pid, signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=300)
+    last = stderr.strip().splitlines()[-1]
+    assert proc.returncode == 2 and "the engine process died" in last and "Traceback" not in stderr, stderr[-2000:]
+    done = json.loads((out / "metrics.json").read_text())["steps"]
+    assert len(done) >= 2 and (out / "last").resolve().name == f"{done[-1]['step']:04d}"
+    dump = load_dump(str(out / "last" / "rollout"))
+    assert not isinstance(dump, dict)
+    check_engine_dump(dump)
+    assert not list((out / "steps").glob(".*")), list((out / "steps").iterdir())  # no step half-written
+    assert sorted(p.name for p in (out / "steps").iterdir() if not p.name.startswith(".")) == [f"{done[-1]['step']:04d}"]
