@@ -168,6 +168,27 @@ def test_bad_input_is_one_line_before_a_rank_or_the_engine_starts(runs: dict[str
     assert done.returncode == 2 and "sits inside" in done.stderr and not (checkpoint / "run").exists()
 
 
+def test_a_checkpoint_the_engine_cannot_run_is_one_line(runs: dict[str, Any], tmp_path: Path) -> None:
+    """An architecture vLLM registers no class for is refused before anything starts; one it loads but cannot run
+    (head_dim 8: its CPU attention has no kernel for it) stops every rank with the engine's one line, and DIR holds
+    no step (its engine.log says what the engine printed)."""
+    unknown = tmp_path / "unknown"
+    unknown.mkdir()
+    for f in runs["qwen3"]["checkpoint"].iterdir():
+        (unknown / f.name).write_bytes(f.read_bytes())
+    config = json.loads((unknown / "config.json").read_text())
+    (unknown / "config.json").write_text(json.dumps({**config, "architectures": ["NotAModelForCausalLM"]}))
+    done = onpolicy(unknown, tmp_path / "d1", "--steps", "1", check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "vLLM has no model class for NotAModelForCausalLM" in last and "Traceback" not in done.stderr
+    assert not (tmp_path / "d1").exists()
+    hd8 = write_tiny_checkpoint("qwen3", tmp_path / "hd8", dims={"hidden_size": 64, "head_dim": 8, "num_attention_heads": 8})
+    done = onpolicy(hd8, tmp_path / "d2", "--steps", "2", "--world-size", "2", check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "vLLM cannot" in last and "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert not (tmp_path / "d2" / "last").exists() and (tmp_path / "d2" / "engine.log").is_file()
+
+
 def _engine_pids(parent: int) -> list[int]:
     """The engine server processes below ``parent`` (read from /proc)."""
     found = []
