@@ -107,6 +107,16 @@ def test_a_bad_config_is_one_error_naming_the_flag(field: str, value: object, ne
         OnPolicyConfig(checkpoint="ckpt", out="out", **{field: value})  # type: ignore[arg-type]
 
 
+def test_greedy_sampling_of_a_group_is_refused_before_an_engine_starts() -> None:
+    from fx_precision.engines.adapter import RolloutConfig
+
+    with pytest.raises(PrecisionError, match="--temperature 0 is greedy"):
+        OnPolicyConfig(checkpoint="ckpt", out="out", temperature=0.0, samples=4)
+    with pytest.raises(PrecisionError, match="--samples 3 would repeat it"):
+        RolloutConfig(model="ckpt", prompts=((1, 2, 3, 4, 5),), temperature=0.0, samples=3)
+    assert OnPolicyConfig(checkpoint="ckpt", out="out", temperature=0.0, samples=1).samples == 1
+
+
 def test_the_plot_draws_reward_and_mismatch_per_step(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the dev and plot extras install it)")
     from fx_precision.onpolicy.report import plot, summary_line, table

@@ -27,6 +27,7 @@ import torch
 from fx_precision.contract import EngineContract
 from fx_precision.dump import CallInfo, Dump, Record
 from fx_precision.dump import Sequence as TokenSequence
+from fx_precision.errors import PrecisionError
 
 
 @dataclass(frozen=True)
@@ -47,6 +48,18 @@ class RolloutConfig:
     max_model_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.samples)
+
+
+def check_sampling(temperature: float, samples: int) -> None:
+    """Greedy sampling (temperature 0) draws one answer per prompt: several samples of it are one sample repeated."""
+    if float(temperature) == 0.0 and samples > 1:
+        raise PrecisionError(
+            f"--temperature 0 is greedy: it draws one answer per prompt, so --samples {samples} would repeat it; use --samples 1, "
+            "or a temperature above 0"
+        )
+
 
 @dataclass(frozen=True)
 class SamplingRequest:
@@ -57,6 +70,9 @@ class SamplingRequest:
     temperature: float = 1.0
     seed: int = 0
     samples: int = 1
+
+    def __post_init__(self) -> None:
+        check_sampling(self.temperature, self.samples)
 
 
 @dataclass

@@ -87,6 +87,9 @@ class OnPolicyConfig:
             raise PrecisionError(f"--temperature {self.temperature!r}: between 0 and 100")
         if not (0.0 < float(self.lr) < 1.0):
             raise PrecisionError(f"--lr {self.lr!r}: a learning rate between 0 and 1")
+        from fx_precision.engines.adapter import check_sampling
+
+        check_sampling(self.temperature, self.samples)
         if self.prompts is None and not self.prompt_lens:
             raise PrecisionError("an on-policy run needs --prompts FILE or --prompt-lens N,N,...")
 

@@ -117,7 +117,8 @@ MAX_TOKENS = 1 << 20
 def _add_out_args(p: argparse.ArgumentParser, what: str) -> None:
     """--out DIR and --overwrite for a verb that writes a directory (a dump or a checkpoint), written whole."""
     p.add_argument("--out", required=True, metavar="DIR", help=f"{what} directory (written atomically, whole)")
-    p.add_argument("--overwrite", action="store_true", help=f"replace a {what} already at --out, whole")
+    article = "an" if what[:1] in "aeiou" else "a"
+    p.add_argument("--overwrite", action="store_true", help=f"replace {article} {what} already at --out, whole")
 
 
 def _add_json_arg(p: argparse.ArgumentParser) -> None:

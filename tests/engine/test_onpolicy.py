@@ -152,6 +152,7 @@ def test_bad_input_is_one_line_before_a_rank_or_the_engine_starts(runs: dict[str
     (tmp_path / "short.json").write_text(json.dumps([[1, 2, 3]]))
     cases = [
         (("--samples", "0"), "--samples 0 is outside 1..64"),
+        (("--temperature", "0"), "--temperature 0 is greedy"),  # vLLM refuses n > 1 at temperature 0: refused first
         (("--prompts", str(tmp_path / "outside.json")), "prompt 1: token id 4096 is outside the vocabulary"),
         (("--prompts", str(tmp_path / "short.json")), "needs prompts of at least 5 tokens"),
         (("--prompt-lens", "3,9"), "--prompt-lens 3: this engine build needs prompts of at least 5 tokens"),
