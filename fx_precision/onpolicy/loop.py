@@ -129,12 +129,14 @@ class StepMetrics:
     weights: str  # the tensors_digest the engine reported for what it loaded
     seconds: dict[str, float]
     first_mismatch: dict[str, Any] | None = None
+    groups_with_signal: int = 0  # prompt groups whose rewards differ (a group of equal rewards has no gradient)
 
     def row(self) -> dict[str, Any]:
         return {
             "step": self.step, "mismatch": self.mismatches, "of": self.tokens, "max |delta|": self.max_delta,
             "ratio min": self.ratio_min, "ratio max": self.ratio_max, "k3": self.k3_kl, "reward": round(self.reward, 4),
-            "loss": round(self.loss, 5), **{f"{k} s": round(v, 3) for k, v in self.seconds.items()},
+            "groups learning": self.groups_with_signal, "loss": round(self.loss, 5),
+            **{f"{k} s": round(v, 3) for k, v in self.seconds.items()},
         }  # fmt: skip
 
 
@@ -577,7 +579,7 @@ def _finish_step(cfg: OnPolicyConfig, step: int, engine: EngineSide, run_dir: An
         step, len(data.sequences), found["tokens"], found["mismatches"], found["recompute_mismatches"], found["forward_mismatches"],
         found["prompt_mismatches"], found["prompt_tokens"], found["max_delta"], found["ratio_min"], found["ratio_max"],
         found["k3_kl"], statistics.fmean(rewards), sum(part[2] for part in gathered), fixed, digest, dict(clock.seconds),
-        found["first"],
+        found["first"], sum(1 for g in range(0, len(rewards), cfg.samples) if len(set(rewards[g : g + cfg.samples])) > 1),
     )  # fmt: skip
     record.steps.append(metrics)
     run_dir.write_metrics(record.to_dict())
