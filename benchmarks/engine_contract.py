@@ -34,13 +34,13 @@ import os
 import platform
 import statistics
 import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import provenance  # benchmarks/provenance.py
 from tabulate import tabulate
 
 from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
@@ -287,12 +287,7 @@ def main() -> None:
     print(table(rows))
     if args.json:
         payload = {
-            "command": "python " + " ".join(sys.argv),
-            "fx_precision": _version(),
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "cpu": _cpu_model(),
-            "cores": os.cpu_count(),
+            **provenance(),
             "prompt_lens": PROMPT_LENS,
             "max_tokens": args.max_tokens,
             "shape_prompt_lens": args.shape_prompt_lens,
@@ -301,23 +296,6 @@ def main() -> None:
             "rows": rows,
         }
         Path(args.json).write_text(json.dumps(payload, indent=1))
-
-
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("fx_precision")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -19,18 +19,14 @@ Prints a table of both runs; JSON with the machine, the versions and the command
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
-import os
-import platform
-import statistics
-import sys
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
+from provenance import cpu_model, provenance  # benchmarks/provenance.py
 from tabulate import tabulate
 
 from fx_precision.onpolicy import OnPolicyConfig, OnPolicyRun, run_onpolicy
@@ -41,11 +37,6 @@ CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "configs"
 MODES = ("vllm", "none")
 
 
-def median_of(run: OnPolicyRun, *phases: str) -> float:
-    later = run.steps[1:] or run.steps
-    return statistics.median(sum(s.seconds.get(p, 0.0) for p in phases) for s in later)
-
-
 def row(run: OnPolicyRun) -> dict[str, Any]:
     s = run.summary()
     return {
@@ -54,12 +45,12 @@ def row(run: OnPolicyRun) -> dict[str, Any]:
         "steps without mismatch": s["mismatch_free_steps"],
         "mismatched tokens": f"{s['mismatches']} / {s['tokens']}",
         "reward first 3 -> last 3": f"{s['reward_first3']:.3f} -> {s['reward_last3']:.3f}",
-        "step s (median)": round(median_of(run, "step"), 3),
-        "trainer s (recompute + train)": round(median_of(run, "recompute", "train"), 3),
-        "sync s": round(median_of(run, "sync"), 3),
-        "rollout s": round(median_of(run, "rollout"), 3),
-        "probe s": round(median_of(run, "probe"), 3),
-        "save s": round(median_of(run, "save"), 3),
+        "step s (median)": round(run.median_seconds("step"), 3),
+        "trainer s (recompute + train)": round(run.median_seconds("recompute", "train"), 3),
+        "sync s": round(run.median_seconds("sync"), 3),
+        "rollout s": round(run.median_seconds("rollout"), 3),
+        "probe s": round(run.median_seconds("probe"), 3),
+        "save s": round(run.median_seconds("save"), 3),
     }
 
 
@@ -96,23 +87,18 @@ def main() -> None:
             runs[mode] = run_onpolicy(cfg)
             print(summary_line(runs[mode]), flush=True)
     rows = [row(runs[m]) for m in MODES]
-    ratio = median_of(runs["vllm"], "step") / median_of(runs["none"], "step")
-    trainer_ratio = median_of(runs["vllm"], "recompute", "train") / median_of(runs["none"], "recompute", "train")
+    ratio = runs["vllm"].median_seconds("step") / runs["none"].median_seconds("step")
+    trainer_ratio = runs["vllm"].median_seconds("recompute", "train") / runs["none"].median_seconds("recompute", "train")
     what = args.shape or f"tiny {args.arch}"
     print(f"\non-policy loop, {what}, FSDP2 x{args.world_size}, compiled, G={args.samples}, T={args.temperature}, torch "
-          f"{torch.__version__}, {_cpu_model()}")  # fmt: skip
+          f"{torch.__version__}, {cpu_model()}")  # fmt: skip
     print(tabulate(rows, headers="keys"))
     print(f"step with the contract / without: {ratio:.3f}x (trainer alone: {trainer_ratio:.3f}x)")
     if args.plot:
         plot([(f"--contract {m}", runs[m]) for m in MODES], args.plot)
     if args.json:
         payload = {
-            "command": "python " + " ".join(sys.argv),
-            "fx_precision": _version(),
-            "torch": torch.__version__,
-            "machine": platform.machine(),
-            "cpu": _cpu_model(),
-            "cores": os.cpu_count(),
+            **provenance(),
             "checkpoint": what,
             "step_ratio": round(ratio, 4),
             "trainer_ratio": round(trainer_ratio, 4),
@@ -121,23 +107,6 @@ def main() -> None:
             "seconds": round(time.perf_counter() - started, 1),
         }
         Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
-
-
-def _version() -> str:
-    from importlib import metadata
-
-    try:
-        return metadata.version("fx_precision")
-    except metadata.PackageNotFoundError:
-        return "unknown"
-
-
-def _cpu_model() -> str:
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor()
 
 
 if __name__ == "__main__":

@@ -50,6 +50,7 @@ class EngineServer:
         return result
 
     def op_start(self, request: dict[str, Any]) -> dict[str, Any]:
+        from fx_precision.checkpoints import read_checkpoint_config
         from fx_precision.engines import engine_adapter
         from fx_precision.engines.adapter import RolloutConfig
 
@@ -60,8 +61,6 @@ class EngineServer:
             raise PrecisionError(f"engine server: unknown config field(s) {unknown}")
         config["prompts"] = tuple(tuple(p) for p in config.get("prompts", ()))
         cfg = RolloutConfig(**config)
-        from fx_precision.checkpoints import read_checkpoint_config
-
         adapter = engine_adapter(cfg.engine)
         refused = adapter.refuses(read_checkpoint_config(cfg.model).config)
         if refused:

@@ -83,8 +83,8 @@ class OnPolicyConfig:
             raise PrecisionError(f"--contract {self.contract!r}: one of {', '.join(CONTRACTS)}")
         if self.mode not in MODES:
             raise PrecisionError(f"--mode {self.mode!r}: one of {', '.join(MODES)}")
-        if not 0.0 <= float(self.temperature) <= 100.0:
-            raise PrecisionError(f"--temperature {self.temperature!r}: between 0 and 100")
+        if not 0.0 <= float(self.temperature) <= 10.0:
+            raise PrecisionError(f"--temperature {self.temperature!r}: between 0 and 10 (the CLI's bound)")
         if not (0.0 < float(self.lr) < 1.0):
             raise PrecisionError(f"--lr {self.lr!r}: a learning rate between 0 and 1")
         from fx_precision.engines.adapter import check_sampling
@@ -158,10 +158,14 @@ class OnPolicyRun:
             "origin": self.origin, "steps": [dataclasses.asdict(s) for s in self.steps], "summary": self.summary(),
         }  # fmt: skip
 
+    def median_seconds(self, *phases: str) -> float:
+        """The median over steps 1.. (step 0 compiles; a one-step run: that step) of the phases' summed seconds."""
+        later = self.steps[1:] or self.steps
+        return statistics.median(sum(s.seconds.get(p, 0.0) for p in phases) for s in later) if later else float("nan")
+
     def summary(self) -> dict[str, Any]:
         rewards = [s.reward for s in self.steps]
         k = min(3, len(rewards))
-        later = [s.seconds.get("step", 0.0) for s in self.steps[1:]] or [s.seconds.get("step", 0.0) for s in self.steps]
         return {
             "steps": len(self.steps),
             "mismatch_free_steps": sum(1 for s in self.steps if s.mismatches == 0),
@@ -169,7 +173,7 @@ class OnPolicyRun:
             "tokens": sum(s.tokens for s in self.steps),
             "reward_first3": statistics.fmean(rewards[:k]) if rewards else float("nan"),
             "reward_last3": statistics.fmean(rewards[-k:]) if rewards else float("nan"),
-            "median_step_seconds": statistics.median(later) if later else float("nan"),
+            "median_step_seconds": self.median_seconds("step"),
         }
 
 
@@ -191,7 +195,10 @@ def preflight(cfg: OnPolicyConfig) -> tuple[int, Any]:
     cc = read_checkpoint_config(cfg.checkpoint)
     adapter = engine_adapter(cfg.engine)
     if not getattr(adapter, "live", False):
-        raise PrecisionError(f"--engine {cfg.engine}: this engine's dumps are read, it cannot be started here; use --engine vllm")
+        raise PrecisionError(
+            f"OnPolicyConfig.engine={cfg.engine!r}: that adapter reads an engine's dump files, it cannot start the engine; the loop "
+            "needs a live engine: engine='vllm'"
+        )
     refused = adapter.refuses(cc.config)
     if refused:
         raise PrecisionError(f"--model {cfg.checkpoint}: {refused}")

@@ -33,6 +33,13 @@ def summary_line(run: OnPolicyRun) -> str:
     )
 
 
+def check_plot_path(file: str | Path) -> Path:
+    """A plot is a PNG: refused before the run that would draw it."""
+    if Path(file).suffix.lower() != ".png":
+        raise PrecisionError(f"--plot {file}: a .png file (the plot is written as PNG); name it PLOT.png")
+    return Path(file)
+
+
 def plot(runs: Sequence[tuple[str, OnPolicyRun]], file: str | Path) -> Path:
     """``runs`` (label, run) drawn into ``file`` (PNG), written whole (module docstring)."""
     try:
@@ -42,9 +49,7 @@ def plot(runs: Sequence[tuple[str, OnPolicyRun]], file: str | Path) -> Path:
         import matplotlib.pyplot as plt
     except ImportError:
         raise PrecisionError("--plot needs matplotlib: pip install 'fx_precision[plot]' (or pip install matplotlib)") from None
-    target = Path(file)
-    if target.suffix.lower() != ".png":
-        raise PrecisionError(f"--plot {file}: a .png file")
+    target = check_plot_path(file)
     figure, (top, bottom) = plt.subplots(2, 1, figsize=(7, 5.5), sharex=True)
     for label, run in runs:
         steps = [s.step for s in run.steps]

@@ -567,10 +567,10 @@ def cmd_rollout(args: argparse.Namespace) -> int:
 def cmd_onpolicy(args: argparse.Namespace) -> int:
     from fx_precision.engines.prompts import read_prompts
     from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
-    from fx_precision.onpolicy.report import plot, summary_line, table
+    from fx_precision.onpolicy.report import check_plot_path, plot, summary_line, table
 
-    if args.plot is not None and not str(args.plot).lower().endswith(".png"):
-        raise PrecisionError(f"--plot {args.plot}: a .png file")
+    if args.plot is not None:
+        check_plot_path(args.plot)
     cfg = OnPolicyConfig(
         checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
         prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
