@@ -51,7 +51,7 @@ from torch import nn
 from torch.utils._pytree import tree_map
 
 from fx_precision.callable_module import make_callable
-from fx_precision.census import iter_tensors
+from fx_precision.census import iter_tensors, module_class_name
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.out_dirs import check_out_dir, replace_dir, staging_path
@@ -453,7 +453,7 @@ class DumpRecorder:
         self.model = model
         self.out = out
         self.overwrite = overwrite
-        self.dump = Dump(type(model).__name__, inputs=inputs, rank=rank, world_size=world)
+        self.dump = Dump(module_class_name(model), inputs=inputs, rank=rank, world_size=world)  # the user's class under FSDP2
         self.replay = replay
         self._handles: list[Any] = []
         self._calls: Counter[str] = Counter()

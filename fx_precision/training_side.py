@@ -1,17 +1,22 @@
 """The training side, as one ordered list of steps: what ``compare --rollout``, the benchmarks and the on-policy loop run.
 
     build_training_side(RunConfig, mesh)             each step takes the side so far and gives it back
-    1 build     the checkpoint's weights as fp32 masters (they hold its bf16 values exactly, as after a weight sync)
+    1 build     the model as fp32 masters: a checkpoint's weights (they hold its bf16 values exactly, as after a weight
+                sync), or what ``cfg.model()`` builds (compare's built-in zoo sides)
     2 policy    ``cfg.policy(model)`` (gather / compute / rules), or, following an engine contract, the contract's:
                 gather bf16, compute bf16, the contract's graph rewrites in the backend (``contract_policy``)
     3 plan      the policy lowered onto the model (per-layer units under FSDP2)
-    4 shard     apply_fsdp2 on ``mesh`` (a gloo rank), or none: gathers emulated at use in process
-    5 compile   torch.compile with precision_backend (Inductor, or aot_eager); under a contract always (the contract is
+    4 eager fix with ``cfg.eager_fix``: the backend's casts derived on ``cfg.example_ids`` (fxp.eager_casts), before
+                the shard (they are read from the unsharded model)
+    5 shard     apply_fsdp2 on ``mesh`` (a gloo rank), or none: gathers emulated at use in process
+    6 hooks     the eager fix's casts registered as module hooks (after FSDP2's own)
+    7 compile   torch.compile with precision_backend (Inductor, or aot_eager); under a contract always (the contract is
                 a graph rewrite: "eager" under it is the pass with aot_eager)
 
-    side.logits(tokens, rows)                        one forward: the policy's autocast, the engine's row plan (rows:
-                                                     EngineRows, under a contract), the gathers emulated at use in process
-                                                     (eager: gathered_eagerly; compiled: the backend's casts)
+    with side.forward_context(rows): side.run(tokens)    one forward: the policy's autocast, the engine's row plan
+                                                     (rows: EngineRows, under a contract), the gathers emulated at use
+                                                     in process (eager: gathered_eagerly; compiled: the backend's casts)
+    side.logits(tokens, rows)                        the same, its [B, T, V] logits
 
 Each rank of an FSDP2 run builds its own side from the same RunConfig.
 """
@@ -27,7 +32,7 @@ import torch
 from torch import nn
 
 from fx_precision.contract import EngineContract
-from fx_precision.errors import PrecisionError
+from fx_precision.errors import PrecisionError, precision_error_in
 from fx_precision.policy import PrecisionPolicy
 
 
@@ -48,22 +53,59 @@ class AsUsersRunIt:
         return PrecisionPolicy(gather=self.gather, compute=self.compute)
 
 
+ModelSource = Callable[[], nn.Module]  # builds the fp32 masters; picklable: each rank builds its own
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """One training side: the checkpoint, its policy, the contract it follows (None: none), how it runs."""
+    """One training side: the model (a checkpoint directory, or a ModelSource), its policy, the contract it follows
+    (None: none), how it runs."""
 
-    checkpoint: str
+    model: str | ModelSource
     policy: Callable[[nn.Module], PrecisionPolicy] = field(default_factory=AsUsersRunIt)  # picklable (ranks get it)
     contract: EngineContract | None = None
     compiled: bool = False
     inner: str = "inductor"  # the backend's inner compiler when compiled
     train: bool = False  # the model in train mode (dropout stays off: the configs here have none)
+    eager_fix: bool = False  # the backend's casts as module hooks: the precision fix without torch.compile
+    example_ids: torch.Tensor | None = field(default=None, compare=False)  # what the eager fix is derived on
 
     def compiles(self) -> bool:
         return self.compiled or self.contract is not None
 
     def inner_compiler(self) -> str:
         return self.inner if self.compiled else "aot_eager"
+
+    def check(self) -> None:
+        """One line naming the flag and the fix for a side that cannot be built as asked."""
+        if self.eager_fix and self.compiles():
+            why = "the engine contract compiles the side" if self.contract is not None else "--compiled"
+            raise PrecisionError(
+                f"--eager-fix is the precision fix without torch.compile, and {why}: precision_backend applies the same casts "
+                "in the graph; drop --eager-fix"
+            )
+        if self.eager_fix and self.example_ids is None:
+            raise PrecisionError("RunConfig(eager_fix=True) derives the casts on example token ids: pass example_ids")
+
+
+def plain_forward_kwargs(model: nn.Module) -> dict[str, Any]:
+    """Keyword arguments for a plain forward: ``use_cache=False`` for transformers models."""
+    config = getattr(model, "config", None)
+    return {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}
+
+
+def run_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
+    """``model(*args, **kwargs)``; a failure of the model's own code is one PrecisionError line."""
+    try:
+        return model(*args, **kwargs)
+    except PrecisionError:
+        raise
+    except Exception as exc:  # the user's model: its failure, said in one line; the backend's own error as it is
+        inner = precision_error_in(exc)
+        if inner is not None:
+            raise inner from None
+        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
+        raise PrecisionError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:400]}") from exc
 
 
 @dataclass
@@ -79,27 +121,40 @@ class TrainingSide:
     sharded: bool = False
     forward: Any = None
     backend: Any = None
+    fix: Any = None  # the eager fix (EagerFix), with cfg.eager_fix
 
-    def logits(self, tokens: torch.Tensor, rows: Any = None) -> torch.Tensor:
-        """[B, T, V] logits of ``tokens`` [B, T] (module docstring)."""
+    @contextlib.contextmanager
+    def forward_context(self, rows: Any = None) -> Iterator[None]:
+        """What a forward of this side runs under (module docstring)."""
         from fx_precision.contract.batch_rows import engine_rows
         from fx_precision.fsdp import gathered_eagerly
-        from fx_precision.logprobs import logits_of
 
+        if rows is None and self.policy.contract is not None:
+            raise PrecisionError("a forward under the engine contract needs the engine's row plan (EngineRows) of its batch")
         with contextlib.ExitStack() as stack:
             if not self.sharded and not self.cfg.compiles():  # compiled, the backend casts at use in the graph
                 stack.enter_context(gathered_eagerly(self.model, self.plan))
             stack.enter_context(self.policy.forward_context("cpu"))
             if rows is not None:
                 stack.enter_context(engine_rows(rows))
-            elif self.policy.contract is not None:
-                raise PrecisionError("a forward under the engine contract needs the engine's row plan (EngineRows) of its batch")
-            return logits_of(self.forward(input_ids=tokens, use_cache=False))
+            yield
+
+    def run(self, tokens: torch.Tensor) -> Any:
+        """The model's output on ``tokens`` [B, T], inside ``forward_context``."""
+        return run_forward(self.forward, tokens, **plain_forward_kwargs(self.model))
+
+    def logits(self, tokens: torch.Tensor, rows: Any = None) -> torch.Tensor:
+        """[B, T, V] logits of ``tokens`` [B, T] (module docstring)."""
+        from fx_precision.logprobs import logits_of
+
+        with self.forward_context(rows):
+            return logits_of(self.run(tokens))
 
     def describe(self) -> str:
         how = f"FSDP2 on {self.mesh.size()} gloo rank(s)" if self.sharded else "in process"
         compiled = f", compiled with precision_backend ({self.cfg.inner_compiler()})" if self.cfg.compiles() else ", eager"
-        return f"train, {how}{compiled} ({self.policy.describe()})"
+        fix = f", eager fix: {len(self.fix.hooks)} hook(s)" if self.fix is not None else ""
+        return f"train, {how}{compiled} ({self.policy.describe()}{fix})"
 
     def rewrites(self) -> dict[str, int]:
         reports = getattr(self.backend, "reports", None) or []
@@ -109,7 +164,8 @@ class TrainingSide:
 def _build(side: TrainingSide) -> TrainingSide:
     from fx_precision.checkpoints import load_checkpoint
 
-    side.model = load_checkpoint(side.cfg.checkpoint, dtype=torch.float32)
+    source = side.cfg.model
+    side.model = load_checkpoint(source, dtype=torch.float32) if isinstance(source, str) else source()
     side.model.train(side.cfg.train)
     side.name = type(side.model).__name__  # before FSDP2 makes it FSDP<name>
     return side
@@ -125,6 +181,20 @@ def _plan(side: TrainingSide) -> TrainingSide:
     from fx_precision.fsdp import layer_wrap_globs
 
     side.plan = side.policy.plan(side.model, wrap=layer_wrap_globs(side.model) if side.mesh is not None else ())
+    return side
+
+
+def _derive_fix(side: TrainingSide) -> TrainingSide:
+    if side.cfg.eager_fix:
+        from fx_precision.eager_fix import eager_casts
+
+        side.fix = eager_casts(side.model, side.cfg.example_ids, policy=side.policy, plan=side.plan, **plain_forward_kwargs(side.model))
+    return side
+
+
+def _register_fix(side: TrainingSide) -> TrainingSide:
+    if side.fix is not None:
+        side.fix.apply(side.model)
     return side
 
 
@@ -151,13 +221,16 @@ STEPS: tuple[tuple[str, Callable[[TrainingSide], TrainingSide]], ...] = (
     ("build", _build),
     ("policy", _policy),
     ("plan", _plan),
+    ("eager fix", _derive_fix),
     ("shard", _shard),
+    ("hooks", _register_fix),
     ("compile", _compile),
 )
 
 
 def build_training_side(cfg: RunConfig, mesh: Any = None) -> TrainingSide:
     """Run the steps (module docstring) in order; ``mesh``: FSDP2 over it (inside a gloo rank), None: in process."""
+    cfg.check()
     side = TrainingSide(cfg, mesh)
     for _name, step in STEPS:
         side = step(side)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import shutil
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -168,3 +169,32 @@ def test_cli_compare_qwen3_5_against_the_bf16_rollout(tmp_path: Path) -> None:
     assert gate.returncode == 1 and "--fail-above" in gate.stderr
     same = run_cli("compare", "--model", "qwen3_5-tiny", "--rollout", "bf16", "--compute", "none", "--gather", "bf16", "--json")
     assert json.loads(same.stdout)["logprob"]["bitwise_share"] == 1.0  # bf16 weights, no autocast: what the rollout runs
+
+
+def test_the_built_in_train_side_is_the_training_side_with_its_eager_fix() -> None:
+    """compare's built-in train side runs the training side's steps (fx_precision/training_side.py): the eager fix is one
+    of them, derived on the side's own token ids and registered as hooks, and a fix on a compiled side is refused."""
+    from fx_precision.tools.census_driver import CensusConfig
+    from fx_precision.tools.compare_sides import SideConfig, run_config, train_dump
+    from fx_precision.training_side import build_training_side
+
+    knobs = CensusConfig(model="toy-decoder", arch_rules=False, eager_fix=True, batch=1, seq_len=8)
+    side = build_training_side(run_config(SideConfig(knobs)))
+    assert side.fix is not None and side.fix.hooks and side.fix._handles  # registered on the model
+    assert f"eager fix: {len(side.fix.hooks)} hook(s)" in side.describe()
+    fixed, plain = train_dump(SideConfig(knobs)), train_dump(SideConfig(replace(knobs, eager_fix=False)))
+    assert "eager fix" in fixed.source and "eager fix" not in plain.source
+    fp32 = lambda d: sum(r.dtype == "fp32" for r in d.records)
+    assert fp32(fixed) < fp32(plain)  # the embedding's fp32 output, cast down by the fix, no longer flows through the stream
+    refused = run_cli("compare", "--model", "toy-decoder", "--rollout", "bf16", "--eager-fix", "--compiled")
+    assert refused.returncode == 2 and "--eager-fix" in refused.stderr and "drop --eager-fix" in refused.stderr
+    assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_a_built_in_side_on_fsdp2_ranks_is_compared_token_by_token() -> None:
+    """Under FSDP2 the recorded model is the user's class (not fully_shard's FSDP<Name>): the log-probs are compared."""
+    run = run_cli("compare", "--model", "toy-decoder", "--rollout", "bf16", "--world-size", "2", "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(run.stdout)
+    assert data["a"].startswith("train rank 0/2") and data["logprob"]["comparable"], data["logprob"]
+    assert len(data["logprob"]["sequences"]) == 2 and data["logprob"]["max"] > 0  # fp32 compute vs the bf16 stand-in

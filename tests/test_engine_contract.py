@@ -402,6 +402,38 @@ def test_the_training_side_gives_the_same_bits_on_one_and_two_threads() -> None:
     assert logits[0].dtype == BF16 and all(torch.equal(logits[0].view(torch.int16), t.view(torch.int16)) for t in logits[1:])
 
 
+def test_models_of_other_head_widths_compile_under_the_contract_in_one_process() -> None:
+    """Dynamo lifts a module's float (the attention scale) to a graph input once two models' values differ (automatic
+    dynamic): the attention rewrite takes it as a run-time value, and the logits are the bits of a fresh compile."""
+    import torch._dynamo
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fx_precision.backend import make_precision_backend
+    from fx_precision.contract.linear_order import engine_linear_shapes
+
+    def logits(head_dim: int) -> torch.Tensor:
+        config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=1, num_attention_heads=4,
+                             num_key_value_heads=2, head_dim=head_dim, max_position_embeddings=64)  # fmt: skip
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).eval()
+        ids = torch.randint(0, 256, (1, 8))
+        orders = LinearOrders.uniform(engine_linear_shapes(model, input_ids=ids[:, :4]), [8], lambda k: candidate_orders(k, 1)[0])
+        attention = AttentionArithmetic() if engine_kernels().cpu_has_amx() else VEC
+        contract = EngineContract(attention=attention, linears=orders)
+        policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False, contract=contract)
+        compiled = torch.compile(model, backend=make_precision_backend(policy=policy, plan=policy.plan(model), inner="aot_eager"))
+        rows = torch.full((1, 8), 8, dtype=torch.int32)
+        with torch.no_grad(), policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+            return compiled(input_ids=ids, use_cache=False).logits
+
+    torch._dynamo.reset()
+    alone = logits(32)
+    torch._dynamo.reset()
+    after_others = [logits(16), logits(32)][1]
+    torch._dynamo.reset()
+    assert torch.equal(alone.view(torch.int16), after_others.view(torch.int16))
+
+
 def test_row_plans_follow_the_engine_steps() -> None:
     # two prompts of 6 and 3 tokens prefilled together (9 rows), then 2 decode steps of 2 rows; b's
     # decode row (3, 4) repeats a row of a's prefill: rows are claimed in order, each once

@@ -1,8 +1,10 @@
 """Built-in sides for ``fx-precision dump`` and ``compare``: a training policy and a bf16 rollout stand-in.
 
-    train side     the model's fp32 masters, rounded to bf16 first (as after loading a bf16
-                   checkpoint), under a policy: gather (emulated at use on one device, or FSDP2 on
-                   N gloo ranks), compute (autocast), rules; eager, or compiled with precision_backend
+    train side     the training side (fx_precision/training_side.py, the steps compare --rollout, the
+                   benchmarks and the on-policy loop run) on a built-in model: its fp32 masters, rounded
+                   to bf16 first (as after loading a bf16 checkpoint), under a policy: gather (emulated
+                   at use on one device, or FSDP2 on N gloo ranks), compute (autocast), rules, the eager
+                   fix; eager, or compiled with precision_backend (the logits only)
     rollout bf16   the same weights (parameters) cast to bf16, eager, no autocast: a stand-in for an inference
                    engine (sglang / vLLM run the bf16 checkpoint), not the engine itself
     rollout DIR    a dump written anywhere (an engine's own process, another machine)
@@ -24,13 +26,12 @@ import torch
 from torch import nn
 
 from fx_precision.dump import Dump, DumpRecorder, Record
-from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
-from fx_precision.logprobs import logits_of
 from fx_precision.out_dirs import replace_dir
 from fx_precision.ranks import launched, launcher_rank
 from fx_precision.tools.census_driver import CensusConfig
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
+from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, run_forward
 
 
 @dataclass(frozen=True)
@@ -53,19 +54,27 @@ def shared_model(name: str, seed: int = 0) -> nn.Module:
     return model
 
 
-def run_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
-    """``model(*args, **kwargs)``; a failure of the model's own code is one PrecisionError line."""
-    try:
-        return model(*args, **kwargs)
-    except PrecisionError:
-        raise
-    except Exception as exc:  # the user's model: its failure, said in one line
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise PrecisionError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:400]}") from exc
+@dataclass(frozen=True)
+class ZooModel:
+    """The training side's ModelSource for a built-in model name: ``shared_model(name, seed)``."""
+
+    name: str
+    seed: int = 0
+
+    def __call__(self) -> nn.Module:
+        return shared_model(self.name, self.seed)
 
 
 def _ids(model: nn.Module, cfg: CensusConfig) -> torch.Tensor:
     return token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
+
+
+def run_config(side: SideConfig) -> RunConfig:
+    """The training side's RunConfig (fx_precision/training_side.py) for these knobs; the eager fix is derived on the
+    very token ids the side runs."""
+    cfg = side.policy
+    ids = _ids(build_model(cfg.model, seed=cfg.seed, device="meta"), cfg) if cfg.eager_fix else None
+    return RunConfig(ZooModel(cfg.model, cfg.seed), policy=cfg.policy, compiled=side.compiled, eager_fix=cfg.eager_fix, example_ids=ids)
 
 
 def train_dump(side: SideConfig) -> Dump:
@@ -75,38 +84,29 @@ def train_dump(side: SideConfig) -> Dump:
 
         dumps = run_on_ranks(_train_on_rank, side.world_size, side, None)
         return dumps[0]
-    return _train_in_process(side)
+    return _record(build_training_side(run_config(side)), side)
 
 
-def _train_in_process(side: SideConfig) -> Dump:
-    from fx_precision.fsdp import gathered_eagerly
-
-    cfg = side.policy
-    model = shared_model(cfg.model, cfg.seed)
-    policy = cfg.policy(model)
-    plan = policy.plan(model)
-    ids = _ids(model, cfg)
-    kwargs = forward_kwargs(model)
-    fix = eager_casts(model, ids, policy=policy, plan=plan, **kwargs).apply(model) if cfg.eager_fix and not side.compiled else None
-    if side.compiled:
-        from fx_precision.backend import make_precision_backend
-
-        compiled = torch.compile(model, backend=make_precision_backend(policy=policy, plan=plan))
-        with torch.no_grad(), policy.forward_context("cpu"):
-            logits = logits_of(run_forward(compiled, ids, **kwargs))
-        return _root_only(model, ids, logits, policy.compute)
-    with torch.no_grad(), gathered_eagerly(model, plan), policy.forward_context("cpu"):
-        with DumpRecorder(model, inputs=side.inputs, replay=True) as recorder:
-            run_forward(model, ids, **kwargs)
-    recorder.dump.source = f"train ({policy.describe()}{', eager fix: ' + str(len(fix.hooks)) + ' hook(s)' if fix else ''})"
+def _record(train: TrainingSide, side: SideConfig, source: str = "train") -> Dump:
+    """One forward of ``train`` on the side's token ids, recorded: module calls (with replays in process), or, compiled,
+    the logits only."""
+    ids = _ids(train.model, side.policy)
+    if train.cfg.compiles():
+        with torch.no_grad():
+            logits = train.logits(ids)
+        return _root_only(train.name, ids, logits, train.policy.compute)
+    with torch.no_grad(), train.forward_context(), DumpRecorder(train.model, inputs=side.inputs, replay=not train.sharded) as recorder:
+        train.run(ids)
+    fix = f", eager fix: {len(train.fix.hooks)} hook(s)" if train.fix is not None else ""
+    recorder.dump.source = f"{source} ({train.policy.describe()}{fix})"
     return recorder.dump
 
 
-def _root_only(model: nn.Module, ids: torch.Tensor, logits: torch.Tensor, compute: torch.dtype | None) -> Dump:
+def _root_only(name: str, ids: torch.Tensor, logits: torch.Tensor, compute: torch.dtype | None) -> Dump:
     from fx_precision.dtypes import dtype_name
     from fx_precision.dump import CallInfo
 
-    dump = Dump(type(model).__name__, autocast=dtype_name(compute) if compute else None, source="train (compiled: logits only)")
+    dump = Dump(name, autocast=dtype_name(compute) if compute else None, source="train (compiled: logits only)")
     dump.calls.append(CallInfo("", 0, 1, 2))
     dump.records.append(Record("", 0, "in", "args[0]", dtype_name(ids.dtype), tuple(ids.shape), ids.clone()))
     dump.records.append(Record("", 0, "out", "out", dtype_name(logits.dtype), tuple(logits.shape), logits.detach().clone()))
@@ -115,31 +115,19 @@ def _root_only(model: nn.Module, ids: torch.Tensor, logits: torch.Tensor, comput
 
 def _train_on_rank(rank: int, world_size: int, side: SideConfig, target: tuple[str, str] | None) -> Dump:
     """Inside a gloo rank: FSDP2 under the policy, every rank on the same token ids, recorded."""
-    from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)  # the same kernels, blocked alike, whatever the rank count: bitwise comparable
-    cfg = side.policy
-    model = shared_model(cfg.model, cfg.seed)
-    policy = cfg.policy(model)
-    plan = policy.plan(model, wrap=layer_wrap_globs(model))
-    mesh = cpu_mesh(world_size, cfg.mesh)
-    ids = _ids(model, cfg)
-    fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
-    apply_fsdp2(model, plan, mesh=mesh, policy=policy)
-    if fix is not None:
-        fix.apply(model)
-    with torch.no_grad(), policy.forward_context("cpu"), DumpRecorder(model, inputs=side.inputs) as recorder:
-        run_forward(model, ids, **forward_kwargs(model))
-    recorder.dump.source = f"train rank {rank}/{world_size} ({policy.describe()})"
+    train = build_training_side(run_config(side), mesh=cpu_mesh(world_size, side.policy.mesh))
+    dump = _record(train, side, source=f"train rank {rank}/{world_size}")
     if target is not None:  # every rank writes its directory of the staging dump; one rename puts it in place
         staging, final = target
-        recorder.dump.save(staging)
+        dump.save(staging)
         if launched():  # no parent process to rename it: rank 0 does, once every rank has written
             torch.distributed.barrier()
             if rank == 0:
                 replace_dir(Path(staging), Path(final))
-    return recorder.dump
+    return dump
 
 
 def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:

@@ -39,11 +39,15 @@ class TrainConfig:
 
 
 def run_config(cfg: TrainConfig, dump: Dump) -> RunConfig:
-    """The training side's RunConfig (fx_precision/training_side.py): the policy knobs, and the dump's contract."""
+    """The training side's RunConfig (fx_precision/training_side.py): the policy knobs (the eager fix included), and the
+    dump's contract."""
     from fx_precision.contract import contract_of_dump
 
     contract = contract_of_dump(dump) if cfg.contract else None
-    return RunConfig(cfg.checkpoint, policy=cfg.policy.policy, contract=contract, compiled=cfg.compiled, inner=cfg.inner)
+    fix = cfg.policy.eager_fix  # derived on the dump's first sequence
+    example = torch.tensor([dump.sequences[0].tokens]) if fix and dump.sequences else None
+    return RunConfig(cfg.checkpoint, policy=cfg.policy.policy, contract=contract, compiled=cfg.compiled, inner=cfg.inner, eager_fix=fix,
+                     example_ids=example)  # fmt: skip
 
 
 def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:

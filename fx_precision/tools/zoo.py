@@ -24,6 +24,7 @@ from torch import nn
 from fx_precision.errors import PrecisionError
 from fx_precision.hf import require_transformers
 from fx_precision.tools.toy_decoder import ToyDecoder
+from fx_precision.training_side import plain_forward_kwargs
 
 
 def qwen3_5_config(name: str) -> Any:
@@ -194,7 +195,4 @@ def token_batch(model: nn.Module, *, batch: int = 2, seq_len: int = 16, seed: in
     return torch.randint(0, vocab_size(model), (batch, seq_len), generator=gen).to(device)
 
 
-def forward_kwargs(model: nn.Module) -> dict[str, Any]:
-    """Keyword arguments for a plain forward: ``use_cache=False`` for transformers models."""
-    config = getattr(model, "config", None)
-    return {"use_cache": False} if config is not None and hasattr(config, "use_cache") else {}
+forward_kwargs = plain_forward_kwargs  # the training side's: ``use_cache=False`` for transformers models

@@ -64,8 +64,8 @@ def engine_attention(contract: EngineContract) -> RewriteFn:
             qv, kv = node_value(a["query"]), node_value(a["key"])
             if not isinstance(qv, torch.Tensor) or qv.dim() != 4 or not isinstance(kv, torch.Tensor):
                 raise PrecisionError(f"engine contract: attention at {where} is not [batch, heads, tokens, head_dim]; not followed")
-            scale = a.get("scale")
-            a["scale"] = float(scale) if scale is not None else float(qv.shape[-1]) ** -0.5
+            scale = a.get("scale")  # a Node where Dynamo lifted the module's float (another model's differed): its value at run time
+            a["scale"] = scale if isinstance(scale, fx.Node) else float(scale) if scale is not None else float(qv.shape[-1]) ** -0.5
             call = functools.partial(_engine_call, graph, a, qv.shape[0], kv.shape[2], arithmetic.op_args())
             made = replace_node(graph, node, call, ATTENTION)
             done.append(record(ATTENTION, made, a["query"], f"attention as the engine's kernel: {arithmetic.describe()}"))
