@@ -49,6 +49,20 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
+def require_device(device: str) -> None:
+    """``--device cpu|cuda``: refused in one line where it is cuda and this torch sees no CUDA device."""
+    if device == "cuda" and not torch.cuda.is_available():
+        raise PrecisionError("--device cuda: this torch sees no CUDA device; run on a GPU machine (under torchrun) or use --device cpu")
+
+
+def use_device(device: str) -> None:
+    """``--device cpu|cuda`` for the ranks started next: ``cuda`` ranks run on their own GPU with NCCL (they read
+    FX_PRECISION_DEVICE)."""
+    require_device(device)
+    if device == "cuda":
+        os.environ["FX_PRECISION_DEVICE"] = "cuda"
+
+
 # Ranks start from a fork server that has imported these once: a rank is a fork of it (a fraction of a
 # second), not a fresh interpreter importing torch and transformers (seconds each). The server is
 # single-threaded when it forks (imports start no thread pool), and a rank takes the parent's

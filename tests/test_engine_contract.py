@@ -402,6 +402,7 @@ def test_the_training_side_gives_the_same_bits_on_one_and_two_threads() -> None:
     assert logits[0].dtype == BF16 and all(torch.equal(logits[0].view(torch.int16), t.view(torch.int16)) for t in logits[1:])
 
 
+@pytest.mark.needs_transformers
 def test_models_of_other_head_widths_compile_under_the_contract_in_one_process() -> None:
     """Dynamo lifts a module's float (the attention scale) to a graph input once two models' values differ (automatic
     dynamic): the attention rewrite takes it as a run-time value, and the logits are the bits of a fresh compile."""
@@ -432,6 +433,31 @@ def test_models_of_other_head_widths_compile_under_the_contract_in_one_process()
     after_others = [logits(16), logits(32)][1]
     torch._dynamo.reset()
     assert torch.equal(alone.view(torch.int16), after_others.view(torch.int16))
+
+
+def test_the_residual_sum_lives_for_one_forward_under_the_contract() -> None:
+    """The fused add + norm's fp32 sum crosses a graph break inside the forward engine_rows opens, and no further: the
+    next graph's norm takes the exact sum, a forward that ends drops what it kept, and the ops refuse to run outside one."""
+    from fx_precision.contract.batch_rows import active_forward
+    from fx_precision.contract.ops import residual_add, unrounded_residual
+
+    a, b = torch.tensor([1.0, 3.0]).to(BF16), torch.tensor([2.0**-9, 2.0**-8]).to(BF16)  # sums bf16 cannot hold
+    rows = torch.ones((1, 2), dtype=torch.int32)
+    with engine_rows(EngineRows(rows, rows, SOME_ORDER)):
+        s = residual_add(a, b)
+        assert s.dtype == BF16 and not torch.equal(s.float(), a.float() + b.float())
+        assert torch.equal(unrounded_residual(s), a.float() + b.float())  # taken once ...
+        assert torch.equal(unrounded_residual(s), s.float())  # ... and gone
+        residual_add(a, b)
+        forward = active_forward()
+        assert forward is not None and len(forward.residual_sums) == 1
+    assert active_forward() is None
+    with engine_rows(EngineRows(rows, rows, SOME_ORDER)):
+        copy = residual_add(a, b).clone()  # the same values in another tensor: not the sum's
+        assert torch.equal(unrounded_residual(copy), copy.float())
+    for op in (lambda: residual_add(a, b), lambda: unrounded_residual(a)):
+        with pytest.raises(PrecisionError, match=r"outside fx_precision\.contract\.batch_rows\.engine_rows"):
+            op()
 
 
 def test_row_plans_follow_the_engine_steps() -> None:

@@ -163,13 +163,23 @@ class EngineRows:
         return cls(body, logits, orders, dict(fused or {}))
 
 
-_ACTIVE: contextvars.ContextVar[EngineRows | None] = contextvars.ContextVar("fxp_engine_rows", default=None)
+@dataclass
+class ContractForward:
+    """One forward under the contract: its row plan, and the residual sums its graphs hand on across a graph break
+    (``fxp_engine.residual_add`` keeps one, the next graph's ``unrounded_residual`` takes it); dropped when it ends."""
+
+    rows: EngineRows
+    residual_sums: dict[tuple[Any, ...], torch.Tensor] = field(default_factory=dict)
+
+
+_ACTIVE: contextvars.ContextVar[ContractForward | None] = contextvars.ContextVar("fxp_contract_forward", default=None)
 
 
 @contextlib.contextmanager
 def engine_rows(rows: EngineRows) -> Iterator[None]:
-    """Within the block, ``fxp_engine.linear`` computes each row in the order of the engine call that computed it."""
-    token = _ACTIVE.set(rows)
+    """Within the block, ``fxp_engine.linear`` computes each row in the order of the engine call that computed it, and
+    the residual stream's unrounded sums live for the block (a ContractForward)."""
+    token = _ACTIVE.set(ContractForward(rows))
     try:
         yield
     finally:
@@ -177,6 +187,12 @@ def engine_rows(rows: EngineRows) -> Iterator[None]:
 
 
 def active_rows() -> EngineRows | None:
+    forward = _ACTIVE.get()
+    return forward.rows if forward is not None else None
+
+
+def active_forward() -> ContractForward | None:
+    """The forward ``engine_rows`` opened, or None outside one."""
     return _ACTIVE.get()
 
 

@@ -29,12 +29,11 @@ another order or drop their round trips.
 from __future__ import annotations
 
 import functools
-import threading
 from typing import Any
 
 import torch
 
-from fx_precision.contract.batch_rows import EngineRows, active_rows
+from fx_precision.contract.batch_rows import EngineRows, active_forward, active_rows
 from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.linear_order import LinearOrder
 from fx_precision.contract.vocabulary import Rounding
@@ -315,7 +314,6 @@ engine_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 # the residual stream across a graph break: the unrounded sum a fused add + norm normalises
 # ---------------------------------------------------------------------------------------------
 
-_SUMS = threading.local()  # key of a bf16 residual sum -> its fp32 sum, until the next graph's norm takes it
 _KEEP = 4  # a graph's output sum is taken by the next graph's first norm: a few live at most
 
 
@@ -323,10 +321,15 @@ def _key(x: torch.Tensor) -> tuple[Any, ...]:
     return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
 
 
-def _sums() -> dict[tuple[Any, ...], torch.Tensor]:
-    if not hasattr(_SUMS, "table"):
-        _SUMS.table = {}
-    return _SUMS.table
+def _sums(op: str) -> dict[tuple[Any, ...], torch.Tensor]:
+    """The residual sums of the forward ``engine_rows`` opened (ContractForward): they live for that forward only."""
+    forward = active_forward()
+    if forward is None:
+        raise PrecisionError(
+            f"fxp_engine.{op} ran outside fx_precision.contract.batch_rows.engine_rows(...): the fused add + norm hands its "
+            "unrounded sum across a graph break within one forward, and a forward under the contract runs inside engine_rows"
+        )
+    return forward.residual_sums
 
 
 @torch.library.custom_op("fxp_engine::residual_add", mutates_args=())
@@ -336,7 +339,7 @@ def residual_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (an FSDP2 unit, a block compiled alone) falls between the add and the norm."""
     exact = a.float() + b.float()
     out = exact.to(a.dtype)
-    table = _sums()
+    table = _sums("residual_add")
     table[_key(out)] = exact
     while len(table) > _KEEP:
         table.pop(next(iter(table)))
@@ -363,7 +366,7 @@ residual_add.register_autograd(_residual_add_backward, setup_context=_residual_a
 def unrounded_residual(x: torch.Tensor) -> torch.Tensor:
     """``x`` in fp32: the fp32 sum ``residual_add`` kept for it when ``x`` is that sum's bf16 rounding
     (checked element by element, so a stale entry is never used), else ``x.float()``."""
-    exact = _sums().pop(_key(x), None)
+    exact = _sums("unrounded_residual").pop(_key(x), None)
     if exact is not None and exact.shape == x.shape and torch.equal(exact.to(x.dtype), x):
         return exact
     return x.float()

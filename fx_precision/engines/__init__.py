@@ -12,6 +12,7 @@ The protocol is ``engines/adapter.py``; ``engines/rollout.py`` runs any live ada
 from __future__ import annotations
 
 import importlib
+import os
 from typing import Any
 
 from fx_precision.errors import PrecisionError
@@ -41,3 +42,10 @@ def read_engine_dump(path: str) -> Any:
         if getattr(found, "recognizes", None) is not None and found.recognizes(path):
             return found.read_dump(path)
     return None
+
+
+def dump_or_engine_files(path: str) -> Any:
+    """A dump directory as it is (compare reads it), or an engine's own dump files an adapter reads (SGLang's dumper)."""
+    if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
+        return path
+    return read_engine_dump(path) or path

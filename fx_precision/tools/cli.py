@@ -15,6 +15,12 @@ fx-precision compare   where two forwards part: first origin module and op, log-
 fx-precision checkpoint  a seeded random checkpoint of an arch-zoo architecture, bf16, for both sides
 fx-precision rollout   a real engine (vLLM) on token ids: log-probs, sampled tokens, modules, its contract
 fx-precision onpolicy  an RL loop: FSDP2 trainer + live engine, weights synced each step, log-probs certified bitwise
+
+Parsing and printing only: each verb is ``cmd_<verb>`` (arguments -> one call -> its table or JSON) beside
+``_<verb>_parser`` (its flags), listed in VERB_PARSERS. What a verb computes lives with the code it belongs to:
+tools/graph_driver (plan, lint), tools/census_driver (census, demo), tools/bench, tools/sweep, tools/compare_sides
+(dump, compare's built-in sides), tools/train_side (compare against an engine dump, the first origin of a stopped
+on-policy run), tools/checkpoint, engines/rollout, onpolicy.
 """
 
 from __future__ import annotations
@@ -25,7 +31,6 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fx_precision.engines import live_engines
@@ -167,25 +172,21 @@ def _add_model_args(p: argparse.ArgumentParser) -> None:
 
 
 def cmd_plan(args: argparse.Namespace) -> int:
-    import torch
+    from fx_precision.tools.graph_driver import plan_named
 
-    from fx_precision.dtypes import axis_dtype
-    from fx_precision.lowering import compile_precision
-    from fx_precision.spec import parse_precision_rules
-    from fx_precision.tools.zoo import build_model, model_note
-
-    built = axis_dtype(args.master, "--master") if args.master else torch.float32  # a checkpoint: at the master dtype
-    model = build_model(args.model, device="meta", dtype=built)
-    plan = compile_precision(
-        model,
-        parse_precision_rules(args.rules),
-        default_gather=args.gather,
-        default_master=args.master,
-        wrap=args.wrap or (),
-    )
-    note = model_note(args.model, built)
+    plan, note = plan_named(args.model, args.rules, gather=args.gather, master=args.master, wrap=tuple(args.wrap or ()))
     _emit(args, {**plan.to_dict(), "model_source": note}, lambda: (f"{note}\n" if note else "") + plan.explain())
     return 0
+
+
+def _plan_parser(sub: Any) -> None:
+    p = sub.add_parser("plan", help="lower precision rules onto a model: per-parameter dtypes and FSDP2 wrap units")
+    _add_model_args(p)
+    p.add_argument(
+        "--gather", type=dtype_arg("--gather"), default="fp32", help="default gather dtype (FSDP2 param_dtype): fp32, bf16, fp16"
+    )
+    p.add_argument("--master", type=dtype_arg("--master"), default=None, help="default master dtype (default: each parameter's own dtype)")
+    p.set_defaults(handler=cmd_plan)
 
 
 def _add_policy_args(p: argparse.ArgumentParser) -> None:
@@ -277,19 +278,13 @@ def _world_size(args: argparse.Namespace) -> int:
 
 
 def cmd_census(args: argparse.Namespace) -> int:
+    from fx_precision.ranks import launched, use_device
     from fx_precision.tools.census_driver import run_census
     from fx_precision.tools.zoo import model_note
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise PrecisionError("--device cuda: this torch sees no CUDA device; run on a GPU machine (under torchrun) or use --device cpu")
-        os.environ["FX_PRECISION_DEVICE"] = "cuda"  # the ranks read it: their GPU and NCCL
-
     if args.wrap is not None:
         raise PrecisionError("census wraps each decoder layer (the per-layer FSDP2 convention); --wrap is for `plan`")
-    from fx_precision.ranks import launched
+    use_device(args.device)
 
     ((cfg, policy, result),) = run_census([_census_config(args)], world_size=_world_size(args))
     ranks = int(os.environ["WORLD_SIZE"]) if launched() else _world_size(args)
@@ -300,6 +295,21 @@ def cmd_census(args: argparse.Namespace) -> int:
     head = f"{cfg.model} on {ranks} {kind} rank(s); policy: {policy}" + (f"\n{note}" if note else "")
     _emit(args, data, lambda: f"{head}\n{result.render(top=args.top)}")
     return 0
+
+
+def _census_parser(sub: Any) -> None:
+    p = sub.add_parser("census", help="eager module-IO dtype inventory of one forward under FSDP2 on N gloo ranks")
+    _add_model_args(p)
+    _add_policy_args(p)
+    _add_rank_args(p, min_ranks=1, default=1, what="gloo ranks to spawn (default 1; rank 0 prints)")
+    _add_batch_args(p)
+    p.add_argument(
+        "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank runs: cpu (gloo) or its own GPU (NCCL; under torchrun)"
+    )
+    p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
+    _add_eager_fix_arg(p)
+    p.add_argument("--top", type=bounded_int("--top", 1, 100_000), default=15, help="modules to list (by fp32 count)")
+    p.set_defaults(handler=cmd_census)
 
 
 def cmd_demo(args: argparse.Namespace) -> int:
@@ -324,44 +334,58 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_lint(args: argparse.Namespace) -> int:
-    from fx_precision.lint import lint
-    from fx_precision.tools.zoo import build_model, forward_kwargs, is_checkpoint_path, model_note, token_batch
+def _demo_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "demo",
+        help="the Qwen3.5 reproduction: fp32 share of module IO under four policies and the default",
+        description="Tiny Qwen3.5 (random init) under FSDP2 on one gloo rank, fp32 master, fp32 gather: "
+        "bf16 autocast as-is, with each fix alone, with both fixes, and the default policy (no autocast).",
+    )
+    p.add_argument("--model", default="qwen3_5-tiny", help="model name (default qwen3_5-tiny)")
+    _add_json_arg(p)
+    p.set_defaults(handler=cmd_demo)
 
-    cfg: CensusConfig = _census_config(args)
+
+def cmd_lint(args: argparse.Namespace) -> int:
+    from fx_precision.tools.graph_driver import lint_named
+
     if args.dot:
         folder = os.path.dirname(os.path.abspath(args.dot))
         if not os.path.isdir(folder) or not os.access(folder, os.W_OK):
             raise PrecisionError(f"--dot {args.dot}: the folder {folder} does not exist or is not writable; create it or pick another path")
-    meta = args.meta or args.model == "qwen3_5-4b" or is_checkpoint_path(args.model)
-    model = build_model(args.model, device="meta" if meta else None, dtype=cfg.build_dtype())
-    note = model_note(args.model, cfg.build_dtype())
-    policy = cfg.policy(model)
-    plan = policy.plan(model, wrap=args.wrap or ())
-    ids = token_batch(model, batch=args.batch, seq_len=args.seq_len)
-    try:
-        report = lint(model, ids, policy=policy, plan=plan, dynamic=args.dynamic, device_type=args.device_type, **forward_kwargs(model))
-    except PrecisionError:
-        raise
-    except Exception as exc:  # the model's own forward failed while Dynamo traced it
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise PrecisionError(f"tracing the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:500]}") from exc
+    run = lint_named(_census_config(args), wrap=tuple(args.wrap or ()), meta=args.meta, dynamic=args.dynamic, device_type=args.device_type)
     if args.dot:
         with open(args.dot, "w") as f:
-            f.write(report.to_dot())
-    head = f"{args.model}{' (meta)' if meta else ''}; policy: {policy.describe()}" + (f"\n{note}" if note else "")
-    _emit(args, {**report.to_dict(), "model_source": note}, lambda: f"{head}\n{report.render()}")
-    return 1 if report.reaches(args.fail_on) else 0
+            f.write(run.report.to_dot())
+    head = f"{args.model}{' (meta)' if run.meta else ''}; policy: {run.policy}" + (f"\n{run.note}" if run.note else "")
+    _emit(args, {**run.report.to_dict(), "model_source": run.note}, lambda: f"{head}\n{run.report.render()}")
+    return 1 if run.report.reaches(args.fail_on) else 0
+
+
+def _lint_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "lint",
+        help="FX-graph dtype analysis: sources of wide dtypes, cause chains; exit 1 at --fail-on",
+        description="Captures the model's Dynamo graph(s) on one device (no FSDP2; the plan's gathers are emulated) "
+        "under the policy's autocast and reports findings (--cast-forward-inputs only matters under FSDP2: see census). "
+        "Exit status 1 when a finding reaches --fail-on.",
+    )
+    _add_model_args(p)
+    _add_policy_args(p)
+    _add_batch_args(p)
+    p.add_argument("--dynamic", action="store_true", help="trace with dynamic shapes (wide bytes as a sympy expression)")
+    p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights); implied for qwen3_5-4b")
+    p.add_argument("--device-type", default="cpu", choices=["cpu", "cuda"], help="whose autocast op lists apply (default cpu)")
+    p.add_argument("--fail-on", default="error", choices=["info", "warn", "error"], help="exit 1 when a finding reaches this severity")
+    p.add_argument("--dot", metavar="FILE", help="write the module-level dtype flow as Graphviz DOT")
+    p.set_defaults(handler=cmd_lint)
 
 
 def cmd_bench(args: argparse.Namespace) -> int:
+    from fx_precision.ranks import require_device
     from fx_precision.tools.bench import render, run_benchmark
 
-    if args.device == "cuda":
-        import torch
-
-        if not torch.cuda.is_available():
-            raise PrecisionError("--device cuda: no CUDA device is visible to this torch build; run on a GPU machine or use --device cpu")
+    require_device(args.device)
     quick = args.quick
     result = run_benchmark(
         model_name=args.model or ("qwen3_5-tiny" if quick else "qwen3_5-4b-slice"),
@@ -375,6 +399,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _bench_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "bench",
+        help="fwd+bwd throughput, kernels and bytes: eager, default Inductor, precision_backend, pure-bf16 limit",
+        description="Runs every variant (fp32 master, bf16 autocast) in this process and prints what it measured. "
+        "Default model: the Qwen3.5-4B slice (4B layer dimensions, one linear- and one full-attention layer).",
+    )
+    p.add_argument("--model", default=None, help="model name (default qwen3_5-4b-slice; --quick: qwen3_5-tiny)")
+    p.add_argument("--batch", type=bounded_int("--batch", 1, 4096), default=None, help="batch size (default 1; --quick: 2)")
+    p.add_argument(
+        "--seq-len", type=bounded_int("--seq-len", 1, MAX_TOKENS), default=None, help="sequence length (default 128; --quick: 64)"
+    )
+    p.add_argument("--steps", type=bounded_int("--steps", 1, 10_000), default=None, help="timed steps after warm-up (default 5)")
+    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda times with CUDA events)")
+    p.add_argument("--quick", action="store_true", help="tiny Qwen3.5, small batch: minutes on a CPU")
+    _add_json_arg(p)
+    p.set_defaults(handler=cmd_bench)
+
+
 def cmd_sweep(args: argparse.Namespace) -> int:
     from fx_precision.tools.sweep import render, run_sweep
 
@@ -386,6 +429,21 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     return 1 if failed else 0
 
 
+def _sweep_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "sweep",
+        help="compatibility matrix: lint, enforce (fwd+bwd), fp32 stream tensors and FSDP2 census over tiny transformers archs",
+        description="Builds each architecture of fx_precision.tools.arch_zoo from a tiny config (random init, CPU), lints it under bf16 "
+        "autocast, compiles it with precision_backend (enforce, aot_eager) forward and backward, counts fp32 stream tensors as traced, "
+        "after the pass and after a hand fix, and takes an FSDP2 census under resolve_policy on 1 gloo rank. Exit 1 if any "
+        "architecture fails.",
+    )
+    p.add_argument("--arch", action="append", default=None, metavar="NAME", help="architecture (repeatable; default: all)")
+    _add_json_arg(p)
+    p.add_argument("--no-census", action="store_true", help="skip the FSDP2 census (no gloo rank)")
+    p.set_defaults(handler=cmd_sweep)
+
+
 def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
     from fx_precision.tools.compare_sides import SideConfig
 
@@ -394,19 +452,11 @@ def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
 
 def cmd_dump(args: argparse.Namespace) -> int:
     from fx_precision.dump import check_out_path
-    from fx_precision.ranks import launched
-    from fx_precision.tools.compare_sides import dump_on_ranks, train_dump
+    from fx_precision.tools.compare_sides import write_dump
 
     check_out_path(args.out, overwrite=args.overwrite)  # before any model runs
-    side = _side_config(args, inputs=args.inputs)
-    if launched():  # under torchrun every rank writes its own directory, always
-        side = replace(side, world_size=int(os.environ["WORLD_SIZE"]))
-    if side.world_size > 0:
-        dumps = dump_on_ranks(side, args.out, overwrite=args.overwrite)
-    else:
-        dumps = [train_dump(side)]
-        dumps[0].save(args.out, overwrite=args.overwrite)
-    ranks = side.world_size or 1
+    dumps = write_dump(_side_config(args, inputs=args.inputs), args.out, overwrite=args.overwrite)
+    ranks = max(dumps[0].world_size, 1)
     data = {"out": args.out, "ranks": ranks, "records": len(dumps[0].records), "calls": len(dumps[0].calls), "source": dumps[0].source}
     _emit(
         args,
@@ -414,6 +464,23 @@ def cmd_dump(args: argparse.Namespace) -> int:
         lambda: f"wrote {args.out}: {ranks} rank(s), {data['records']} tensors of {data['calls']} module calls ({data['source']})",
     )
     return 0
+
+
+def _dump_parser(sub: Any) -> None:
+    p = sub.add_parser(
+        "dump",
+        help="record every module call's outputs (inputs with --inputs) of one forward under a policy, to a directory",
+        description="Builds --model (fp32 masters rounded to bf16), runs one forward under the policy (--gather, --compute, --rules; "
+        "--world-size N: FSDP2 on N gloo ranks, each writing OUT/rank<r>) and writes the dump: manifest.json and tensors/.",
+    )
+    _add_model_args(p)
+    _add_policy_args(p)
+    _add_batch_args(p)
+    _add_eager_fix_arg(p)
+    _add_out_args(p, "dump")
+    p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
+    _add_rank_args(p, min_ranks=0, default=0, what="0 (default): one process, no FSDP2; N: FSDP2 on N gloo ranks")
+    p.set_defaults(handler=cmd_dump)
 
 
 BUILT_IN_SIDE_OPTIONS = ("model", "rules", "wrap", "gather", "compute", "master", "cast_forward_inputs", "arch_rules", "batch", "seq_len",
@@ -427,9 +494,8 @@ def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Seq
 def cmd_compare(args: argparse.Namespace) -> int:
     from fx_precision.compare import compare, gate
     from fx_precision.dump import is_engine_dump
-    from fx_precision.tools.compare_sides import describe, rollout_dump, train_dump
+    from fx_precision.tools.compare_sides import describe
 
-    notes: list[str] = []
     if args.dumps and len(args.dumps) != 2:
         raise PrecisionError(
             f"compare takes two dump directories (A B), or none with --model for the built-in sides; got {len(args.dumps)}"
@@ -441,16 +507,24 @@ def cmd_compare(args: argparse.Namespace) -> int:
                 f"{', '.join(ignored)} describe the built-in sides; with two dump directories they would be ignored. Drop them, "
                 "or drop the directories"
             )
-        a, b = (_dump_or_engine_files(path) for path in args.dumps)
-        head = f"a: {args.dumps[0]}\nb: {args.dumps[1]}"
+        from fx_precision.engines import dump_or_engine_files
+        from fx_precision.tools.compare_sides import CompareSides
+
+        first, second = args.dumps
+        sides = CompareSides(dump_or_engine_files(first), dump_or_engine_files(second), f"a: {first}\nb: {second}")
     elif is_engine_dump(args.rollout):
-        a, b, head, notes = _engine_sides(args)
+        from fx_precision.tools.train_side import TrainConfig, against_engine_dump
+
+        cfg = TrainConfig(args.model, _census_config(args), contract=args.contract is not None, world_size=_world_size(args),
+                          compiled=args.compiled, inner=args.inner)  # fmt: skip
+        sides = against_engine_dump(args.rollout, cfg, contract_engine=args.contract).sides()
     else:
         if args.contract:
             raise PrecisionError("--contract follows an engine: give --rollout an engine dump (fx-precision rollout writes one)")
-        side = _side_config(args)
-        a, b = train_dump(side), rollout_dump(args.rollout, side)
-        head = f"{args.model}; fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}"
+        from fx_precision.tools.compare_sides import built_in_sides
+
+        sides = built_in_sides(_side_config(args), args.rollout)
+    a, b, head, notes = sides.a, sides.b, sides.head, sides.notes
     result = compare(a, b, fqn_map=args.map, nan_equal=args.nan_equal)
     lp = result.logprob
     if lp is not None and lp.get("comparable"):
@@ -469,218 +543,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     return 0
 
 
-def _dump_or_engine_files(path: str) -> Any:
-    """A dump directory (compare reads it), or an engine's own dump files an adapter reads (SGLang's dumper)."""
-    from fx_precision.engines import read_engine_dump
-
-    if os.path.isfile(os.path.join(path, "manifest.json")) or not os.path.isdir(path):
-        return path
-    return read_engine_dump(path) or path
-
-
-def _engine_sides(args: argparse.Namespace) -> tuple[Any, Any, str, list[str]]:
-    """The training side run on an engine dump's token ids, from the checkpoint the engine ran (tools/train_side.py)."""
-    from fx_precision.tools.train_side import TrainConfig, against_engine_dump
-
-    cfg = TrainConfig(args.model, _census_config(args), contract=args.contract is not None, world_size=_world_size(args),
-                      compiled=args.compiled, inner=args.inner)  # fmt: skip
-    run = against_engine_dump(args.rollout, cfg, contract_engine=args.contract)
-    head = f"a: {run.train.source}\nb: {run.engine.source} ({(run.engine.engine or {}).get('kernels', '')})"
-    if run.contract is not None:
-        head += f"\ncontract: {run.contract.describe()}" + "".join(f"\n{note}" for note in run.notes)
-    return run.train, run.engine, head, run.notes
-
-
-def finite_nonnegative(text: str) -> float:
-    """An argparse type: a finite number >= 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"takes a number, got {text!r}") from None
-    if not math.isfinite(value) or value < 0:
-        raise argparse.ArgumentTypeError(f"takes a finite number >= 0, got {text!r}")
-    return value
-
-
-def cmd_checkpoint(args: argparse.Namespace) -> int:
-    from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
-
-    if (args.model is None) == (args.config is None):
-        raise PrecisionError("checkpoint takes --model ARCH (a tiny checkpoint) or --config CONFIG --layers N (a published shape)")
-    if args.config is not None and args.layers is None:
-        raise PrecisionError("--config writes a published shape with fewer layers: give --layers N")
-    if args.config is None and args.layers is not None:
-        raise PrecisionError("--layers goes with --config (a published shape); a tiny --model checkpoint has 3 layers")
-    if args.config is not None:
-        out = write_shaped_checkpoint(args.config, args.out, layers=args.layers, seed=args.seed, overwrite=args.overwrite)
-        what = f"{args.config}'s shape with {args.layers} layer(s)"
-    else:
-        out = write_tiny_checkpoint(args.model, args.out, seed=args.seed, overwrite=args.overwrite)
-        what = f"a tiny {args.model}"
-    data = {"out": str(out), "arch": args.model, "config": args.config, "layers": args.layers, "seed": args.seed,
-            "files": sorted(p.name for p in out.iterdir())}  # fmt: skip
-    _emit(args, data, lambda: f"wrote {out}: {what}, seeded random weights, bf16 safetensors ({', '.join(data['files'])})")
-    return 0
-
-
-def _prompt_lengths(text: str) -> list[int]:
-    try:
-        lengths = [int(part) for part in text.split(",") if part.strip()]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"a comma-separated list of prompt lengths, e.g. 7,40,150,301; got {text!r}") from None
-    if not lengths or any(n < 1 for n in lengths):
-        raise argparse.ArgumentTypeError(f"every prompt length must be at least 1, got {text!r}")
-    return lengths
-
-
-def cmd_rollout(args: argparse.Namespace) -> int:
-    from fx_precision.contract import EngineContract
-    from fx_precision.dump import check_out_path
-    from fx_precision.engines.adapter import RolloutConfig
-    from fx_precision.engines.rollout import rollout_prompts, run_rollout
-
-    check_out_path(args.out, overwrite=args.overwrite, sources=[args.model])  # before the engine starts
-    prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine)
-    cfg = RolloutConfig(
-        model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
-        samples=args.samples, temperature=args.temperature, logprobs=args.logprobs, threads=args.threads, custom_ops=args.custom_ops,
-        split_kv=args.split_kv, isa=args.isa,
-    )  # fmt: skip
-    dump = run_rollout(cfg)
-    dump.save(args.out, overwrite=args.overwrite)
-    contract = EngineContract.from_dict(dump.contract)
-    engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls", "module_steps", "module_logits_calls")}
-    sequences = [{"prompt_len": s.prompt_len, "tokens": len(s.tokens)} for s in dump.sequences]
-    data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences}
-    matched = contract.evidence.get("matched", {})
-    _emit(
-        args,
-        data,
-        lambda: (
-            f"wrote {args.out}: {len(dump.sequences)} sequence(s) from {dump.source}\ncontract: {contract.describe()}\n"
-            f"probes matched: {', '.join(f'{k} {v}' for k, v in matched.items())}"
-        ),
-    )
-    return 0
-
-
-def cmd_onpolicy(args: argparse.Namespace) -> int:
-    from fx_precision.engines.prompts import read_prompts
-    from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
-    from fx_precision.onpolicy.report import check_plot_path, plot, summary_line, table
-
-    if args.plot is not None:
-        check_plot_path(args.plot)
-    cfg = OnPolicyConfig(
-        checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
-        prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
-        world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
-        micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
-        modules=args.modules, overwrite=args.overwrite,
-    )  # fmt: skip
-    run = run_onpolicy(cfg)
-    if run.stopped is not None and cfg.modules:  # the comparator on the step it stopped at: the first origin
-        from fx_precision.tools.train_side import first_origin
-
-        last = os.path.join(run.out, "last")
-        run.origin = first_origin(os.path.join(last, "checkpoint"), os.path.join(last, "rollout"), contract=cfg.contract == "vllm")
-        run.stopped += f"; first origin: {run.origin['module']} (op {run.origin['op']})"
-    if args.plot is not None:
-        plot([(f"--contract {cfg.contract}", run)], args.plot)
-    _emit(args, run.to_dict(), lambda: f"{table(run)}\n{summary_line(run)}" + (f"\nstopped: {run.stopped}" if run.stopped else ""))
-    return 1 if run.stopped else 0
-
-
-def build_parser() -> argparse.ArgumentParser:
-    parser = Parser(
-        prog="fx-precision",
-        description="Per-module mixed precision for FSDP2 and torch.compile: declare, lower, see, enforce.",
-    )
-    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
-
-    p = sub.add_parser("plan", help="lower precision rules onto a model: per-parameter dtypes and FSDP2 wrap units")
-    _add_model_args(p)
-    p.add_argument(
-        "--gather", type=dtype_arg("--gather"), default="fp32", help="default gather dtype (FSDP2 param_dtype): fp32, bf16, fp16"
-    )
-    p.add_argument("--master", type=dtype_arg("--master"), default=None, help="default master dtype (default: each parameter's own dtype)")
-    p.set_defaults(handler=cmd_plan)
-
-    p = sub.add_parser("census", help="eager module-IO dtype inventory of one forward under FSDP2 on N gloo ranks")
-    _add_model_args(p)
-    _add_policy_args(p)
-    _add_rank_args(p, min_ranks=1, default=1, what="gloo ranks to spawn (default 1; rank 0 prints)")
-    _add_batch_args(p)
-    p.add_argument(
-        "--device", default="cpu", choices=["cpu", "cuda"], help="where each rank runs: cpu (gloo) or its own GPU (NCCL; under torchrun)"
-    )
-    p.add_argument("--backward", action="store_true", help="also back-propagate and record gradient dtypes")
-    _add_eager_fix_arg(p)
-    p.add_argument("--top", type=bounded_int("--top", 1, 100_000), default=15, help="modules to list (by fp32 count)")
-    p.set_defaults(handler=cmd_census)
-
-    p = sub.add_parser(
-        "lint",
-        help="FX-graph dtype analysis: sources of wide dtypes, cause chains; exit 1 at --fail-on",
-        description="Captures the model's Dynamo graph(s) on one device (no FSDP2; the plan's gathers are emulated) "
-        "under the policy's autocast and reports findings (--cast-forward-inputs only matters under FSDP2: see census). "
-        "Exit status 1 when a finding reaches --fail-on.",
-    )
-    _add_model_args(p)
-    _add_policy_args(p)
-    _add_batch_args(p)
-    p.add_argument("--dynamic", action="store_true", help="trace with dynamic shapes (wide bytes as a sympy expression)")
-    p.add_argument("--meta", action="store_true", help="build the model on the meta device (no weights); implied for qwen3_5-4b")
-    p.add_argument("--device-type", default="cpu", choices=["cpu", "cuda"], help="whose autocast op lists apply (default cpu)")
-    p.add_argument("--fail-on", default="error", choices=["info", "warn", "error"], help="exit 1 when a finding reaches this severity")
-    p.add_argument("--dot", metavar="FILE", help="write the module-level dtype flow as Graphviz DOT")
-    p.set_defaults(handler=cmd_lint)
-
-    p = sub.add_parser(
-        "bench",
-        help="fwd+bwd throughput, kernels and bytes: eager, default Inductor, precision_backend, pure-bf16 limit",
-        description="Runs every variant (fp32 master, bf16 autocast) in this process and prints what it measured. "
-        "Default model: the Qwen3.5-4B slice (4B layer dimensions, one linear- and one full-attention layer).",
-    )
-    p.add_argument("--model", default=None, help="model name (default qwen3_5-4b-slice; --quick: qwen3_5-tiny)")
-    p.add_argument("--batch", type=bounded_int("--batch", 1, 4096), default=None, help="batch size (default 1; --quick: 2)")
-    p.add_argument(
-        "--seq-len", type=bounded_int("--seq-len", 1, MAX_TOKENS), default=None, help="sequence length (default 128; --quick: 64)"
-    )
-    p.add_argument("--steps", type=bounded_int("--steps", 1, 10_000), default=None, help="timed steps after warm-up (default 5)")
-    p.add_argument("--device", default="cpu", choices=["cpu", "cuda"], help="where to run (cuda times with CUDA events)")
-    p.add_argument("--quick", action="store_true", help="tiny Qwen3.5, small batch: minutes on a CPU")
-    _add_json_arg(p)
-    p.set_defaults(handler=cmd_bench)
-
-    p = sub.add_parser(
-        "sweep",
-        help="compatibility matrix: lint, enforce (fwd+bwd), fp32 stream tensors and FSDP2 census over tiny transformers archs",
-        description="Builds each architecture of fx_precision.tools.arch_zoo from a tiny config (random init, CPU), lints it under bf16 "
-        "autocast, compiles it with precision_backend (enforce, aot_eager) forward and backward, counts fp32 stream tensors as traced, "
-        "after the pass and after a hand fix, and takes an FSDP2 census under resolve_policy on 1 gloo rank. Exit 1 if any "
-        "architecture fails.",
-    )
-    p.add_argument("--arch", action="append", default=None, metavar="NAME", help="architecture (repeatable; default: all)")
-    _add_json_arg(p)
-    p.add_argument("--no-census", action="store_true", help="skip the FSDP2 census (no gloo rank)")
-    p.set_defaults(handler=cmd_sweep)
-
-    p = sub.add_parser(
-        "dump",
-        help="record every module call's outputs (inputs with --inputs) of one forward under a policy, to a directory",
-        description="Builds --model (fp32 masters rounded to bf16), runs one forward under the policy (--gather, --compute, --rules; "
-        "--world-size N: FSDP2 on N gloo ranks, each writing OUT/rank<r>) and writes the dump: manifest.json and tensors/.",
-    )
-    _add_model_args(p)
-    _add_policy_args(p)
-    _add_batch_args(p)
-    _add_eager_fix_arg(p)
-    _add_out_args(p, "dump")
-    p.add_argument("--inputs", action="store_true", help="also record every call's inputs (compare needs them for origins)")
-    _add_rank_args(p, min_ranks=0, default=0, what="0 (default): one process, no FSDP2; N: FSDP2 on N gloo ranks")
-    p.set_defaults(handler=cmd_dump)
-
+def _compare_parser(sub: Any) -> None:
     p = sub.add_parser(
         "compare",
         help="where two forwards part: the first origin module and op, per-token log-prob |delta|, K3 KL",
@@ -724,6 +587,40 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.set_defaults(handler=cmd_compare)
 
+
+def finite_nonnegative(text: str) -> float:
+    """An argparse type: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"takes a number, got {text!r}") from None
+    if not math.isfinite(value) or value < 0:
+        raise argparse.ArgumentTypeError(f"takes a finite number >= 0, got {text!r}")
+    return value
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
+
+    if (args.model is None) == (args.config is None):
+        raise PrecisionError("checkpoint takes --model ARCH (a tiny checkpoint) or --config CONFIG --layers N (a published shape)")
+    if args.config is not None and args.layers is None:
+        raise PrecisionError("--config writes a published shape with fewer layers: give --layers N")
+    if args.config is None and args.layers is not None:
+        raise PrecisionError("--layers goes with --config (a published shape); a tiny --model checkpoint has 3 layers")
+    if args.config is not None:
+        out = write_shaped_checkpoint(args.config, args.out, layers=args.layers, seed=args.seed, overwrite=args.overwrite)
+        what = f"{args.config}'s shape with {args.layers} layer(s)"
+    else:
+        out = write_tiny_checkpoint(args.model, args.out, seed=args.seed, overwrite=args.overwrite)
+        what = f"a tiny {args.model}"
+    data = {"out": str(out), "arch": args.model, "config": args.config, "layers": args.layers, "seed": args.seed,
+            "files": sorted(p.name for p in out.iterdir())}  # fmt: skip
+    _emit(args, data, lambda: f"wrote {out}: {what}, seeded random weights, bf16 safetensors ({', '.join(data['files'])})")
+    return 0
+
+
+def _checkpoint_parser(sub: Any) -> None:
     p = sub.add_parser(
         "checkpoint",
         help="write a seeded random checkpoint of an arch-zoo architecture (bf16 safetensors + config) for both sides",
@@ -740,6 +637,49 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(p)
     p.set_defaults(handler=cmd_checkpoint)
 
+
+def _prompt_lengths(text: str) -> list[int]:
+    try:
+        lengths = [int(part) for part in text.split(",") if part.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a comma-separated list of prompt lengths, e.g. 7,40,150,301; got {text!r}") from None
+    if not lengths or any(n < 1 for n in lengths):
+        raise argparse.ArgumentTypeError(f"every prompt length must be at least 1, got {text!r}")
+    return lengths
+
+
+def cmd_rollout(args: argparse.Namespace) -> int:
+    from fx_precision.contract import EngineContract
+    from fx_precision.dump import check_out_path
+    from fx_precision.engines.adapter import RolloutConfig
+    from fx_precision.engines.rollout import rollout_prompts, run_rollout
+
+    check_out_path(args.out, overwrite=args.overwrite, sources=[args.model])  # before the engine starts
+    prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine)
+    cfg = RolloutConfig(
+        model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
+        samples=args.samples, temperature=args.temperature, logprobs=args.logprobs, threads=args.threads, custom_ops=args.custom_ops,
+        split_kv=args.split_kv, isa=args.isa,
+    )  # fmt: skip
+    dump = run_rollout(cfg)
+    dump.save(args.out, overwrite=args.overwrite)
+    contract = EngineContract.from_dict(dump.contract)
+    engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls", "module_steps", "module_logits_calls")}
+    sequences = [{"prompt_len": s.prompt_len, "tokens": len(s.tokens)} for s in dump.sequences]
+    data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences}
+    matched = contract.evidence.get("matched", {})
+    _emit(
+        args,
+        data,
+        lambda: (
+            f"wrote {args.out}: {len(dump.sequences)} sequence(s) from {dump.source}\ncontract: {contract.describe()}\n"
+            f"probes matched: {', '.join(f'{k} {v}' for k, v in matched.items())}"
+        ),
+    )
+    return 0
+
+
+def _rollout_parser(sub: Any) -> None:
     p = sub.add_parser(
         "rollout",
         help="run a real inference engine (vLLM, in this process) on token ids and write its dump: log-probs, tokens, contract",
@@ -776,6 +716,33 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(p)
     p.set_defaults(handler=cmd_rollout)
 
+
+def cmd_onpolicy(args: argparse.Namespace) -> int:
+    from fx_precision.engines.prompts import read_prompts
+    from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
+    from fx_precision.onpolicy.report import check_plot_path, plot, summary_line, table
+
+    if args.plot is not None:
+        check_plot_path(args.plot)
+    cfg = OnPolicyConfig(
+        checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
+        prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
+        world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
+        micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
+        modules=args.modules, overwrite=args.overwrite,
+    )  # fmt: skip
+    run = run_onpolicy(cfg)
+    if run.stopped is not None and cfg.modules:
+        from fx_precision.tools.train_side import name_first_origin
+
+        name_first_origin(run, contract=cfg.contract == "vllm")
+    if args.plot is not None:
+        plot([(f"--contract {cfg.contract}", run)], args.plot)
+    _emit(args, run.to_dict(), lambda: f"{table(run)}\n{summary_line(run)}" + (f"\nstopped: {run.stopped}" if run.stopped else ""))
+    return 1 if run.stopped else 0
+
+
+def _onpolicy_parser(sub: Any) -> None:
     p = sub.add_parser(
         "onpolicy",
         help="an on-policy RL loop: FSDP2 trainer (fp32 masters, compiled, the engine contract) and a live vLLM, "
@@ -849,15 +816,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_json_arg(p)
     p.set_defaults(handler=cmd_onpolicy)
 
-    p = sub.add_parser(
-        "demo",
-        help="the Qwen3.5 reproduction: fp32 share of module IO under four policies and the default",
-        description="Tiny Qwen3.5 (random init) under FSDP2 on one gloo rank, fp32 master, fp32 gather: "
-        "bf16 autocast as-is, with each fix alone, with both fixes, and the default policy (no autocast).",
+
+VERB_PARSERS: tuple[Callable[[Any], None], ...] = (  # in the order --help lists the verbs
+    _plan_parser,
+    _census_parser,
+    _lint_parser,
+    _bench_parser,
+    _sweep_parser,
+    _dump_parser,
+    _compare_parser,
+    _checkpoint_parser,
+    _rollout_parser,
+    _onpolicy_parser,
+    _demo_parser,
+)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = Parser(
+        prog="fx-precision",
+        description="Per-module mixed precision for FSDP2 and torch.compile: declare, lower, see, enforce.",
     )
-    p.add_argument("--model", default="qwen3_5-tiny", help="model name (default qwen3_5-tiny)")
-    _add_json_arg(p)
-    p.set_defaults(handler=cmd_demo)
+    sub = parser.add_subparsers(dest="verb", required=True, metavar="VERB")
+    for add in VERB_PARSERS:
+        add(sub)
     return parser
 
 

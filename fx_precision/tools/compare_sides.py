@@ -18,7 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import uuid
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -151,6 +151,35 @@ def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: b
         if not launched() or launcher_rank() == 0:
             shutil.rmtree(staging, ignore_errors=True)
     return dumps
+
+
+def write_dump(side: SideConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:
+    """``fx-precision dump``: the train side recorded to ``out``, in process, or one directory per rank on FSDP2 ranks
+    (under torchrun always: every rank writes its own)."""
+    if launched():
+        side = replace(side, world_size=int(os.environ["WORLD_SIZE"]))
+    if side.world_size > 0:
+        return dump_on_ranks(side, out, overwrite=overwrite)
+    dump = train_dump(side)
+    dump.save(out, overwrite=overwrite)
+    return [dump]
+
+
+@dataclass
+class CompareSides:
+    """What ``compare`` reads: side a and side b (dumps, or dump directories), the head lines saying where each came
+    from, and what a contract the training side follows does not follow."""
+
+    a: Dump | str
+    b: Dump | str
+    head: str
+    notes: list[str] = field(default_factory=list)
+
+
+def built_in_sides(side: SideConfig, rollout: str) -> CompareSides:
+    """The train side against ``rollout``: the bf16 stand-in, or a dump directory."""
+    a, b = train_dump(side), rollout_dump(rollout, side)
+    return CompareSides(a, b, f"{side.policy.model}; fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}")
 
 
 def rollout_dump(rollout: str, train: SideConfig) -> Dump | str:

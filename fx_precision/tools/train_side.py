@@ -14,6 +14,7 @@ train_against(engine_dump, TrainConfig(checkpoint, policy, contract, world_size,
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -102,6 +103,15 @@ class EngineRun:
     contract: Any
     notes: list[str]
 
+    def sides(self) -> Any:
+        """As compare reads them (tools/compare_sides.CompareSides): a the training side, b the engine."""
+        from fx_precision.tools.compare_sides import CompareSides
+
+        head = f"a: {self.train.source}\nb: {self.engine.source} ({(self.engine.engine or {}).get('kernels', '')})"
+        if self.contract is not None:
+            head += f"\ncontract: {self.contract.describe()}" + "".join(f"\n{note}" for note in self.notes)
+        return CompareSides(self.train, self.engine, head, self.notes)
+
 
 def against_engine_dump(path: str, cfg: TrainConfig, *, contract_engine: str | None = None) -> EngineRun:
     """Read the engine dump at ``path`` against itself (``check_engine_dump``), hold the contract to its evidence where one
@@ -139,6 +149,14 @@ def first_origin(checkpoint: str, rollout: str, *, contract: bool) -> dict[str, 
     result = compare(run.train, run.engine)
     origin, op = result.first_origin, result.first_op
     return {"module": origin.fqn if origin else None, "op": op.op_a if op else None, "explanation": op.explanation if op else None}
+
+
+def name_first_origin(run: Any, *, contract: bool) -> None:
+    """An on-policy run that stopped (fx_precision/onpolicy): the comparator on the step it stopped at, whose
+    checkpoint and rollout (with module records) its directory keeps; its first origin joins the run's stop line."""
+    last = os.path.join(run.out, "last")
+    run.origin = first_origin(os.path.join(last, "checkpoint"), os.path.join(last, "rollout"), contract=contract)
+    run.stopped += f"; first origin: {run.origin['module']} (op {run.origin['op']})"
 
 
 def train_against(dump: Dump, cfg: TrainConfig) -> Dump:
