@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import fx
+from torch import fx, nn
 
 from fx_precision.autocast import ambient_compute
 from fx_precision.dtypes import dtype_name
@@ -142,6 +142,7 @@ class PrecisionBackend:
         inner: str | Callable[..., Any] = "inductor",
         mode: str = "enforce",
         strict: bool = False,
+        model: nn.Module | None = None,
     ) -> None:
         if mode not in MODES:
             raise PrecisionError(f"make_precision_backend(mode={mode!r}): use one of {', '.join(MODES)}")
@@ -150,6 +151,7 @@ class PrecisionBackend:
         self.inner = inner
         self.mode = mode
         self.strict = strict
+        self.model = model  # names parameters by identity where the graph's names cannot (a module a resumed frame holds)
         if not callable(inner) and not isinstance(inner, str):
             raise PrecisionError(
                 f"make_precision_backend(inner={inner!r}): pass a Dynamo backend name ('inductor', 'aot_eager') or a callable"
@@ -206,10 +208,20 @@ class PrecisionBackend:
             log.info(report.summary())
         return compiled
 
+    def _names(self) -> dict[int, tuple[str, ParamKind]] | None:
+        """id -> (FQN, kind) of the model's parameters and buffers as they are now: inside the forward, so under FSDP2
+        the unsharded ones the graph reads. Dynamo names a parameter after the source it read it from, and a module a
+        resumed frame holds on its stack (``self.head(self.body(x))`` with a graph break in ``body``) has no FQN there."""
+        if self.model is None:
+            return None
+        names = {id(t): (fqn, ParamKind.BUFFER) for fqn, t in self.model.named_buffers()}
+        names.update({id(t): (fqn, ParamKind.PARAMETER) for fqn, t in self.model.named_parameters()})
+        return names
+
     def _check_plan_covers(self, gm: fx.GraphModule, example_inputs: list[Any]) -> None:
         """Every parameter this graph reads is in the plan: a plan of another model would emulate
         gathers, and attribute units, that belong to nothing here."""
-        for fqn, kind in param_names(gm, example_inputs, None).values():
+        for fqn, kind in param_names(gm, example_inputs, self._names()).values():
             if kind is ParamKind.PARAMETER and self.units.param(fqn) is None:
                 raise PrecisionError(
                     f"precision_backend: the graph reads parameter {fqn!r}, which the backend's plan does not hold; the plan "
@@ -217,7 +229,8 @@ class PrecisionBackend:
                 )
 
     def _context(self, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str) -> PassContext:
-        return GraphSetup(compute, device_type, self.units).context(example_inputs, index, emulate=self.plan is not None)
+        setup = GraphSetup(compute, device_type, self.units)
+        return setup.context(example_inputs, index, names=self._names(), emulate=self.plan is not None)
 
     def _inner_config(self) -> contextlib.AbstractContextManager[Any]:
         """Under an engine contract Inductor keeps every cast the graph holds (emulate_precision_casts):
@@ -264,9 +277,11 @@ def make_precision_backend(
     inner: str | Callable[..., Any] = "inductor",
     mode: str = "enforce",
     strict: bool = False,
+    model: nn.Module | None = None,
 ) -> PrecisionBackend:
-    """A backend for ``torch.compile(model, backend=...)``; see the module docstring."""
-    return PrecisionBackend(policy=policy, plan=plan, inner=inner, mode=mode, strict=strict)
+    """A backend for ``torch.compile(model, backend=...)``; see the module docstring. ``model``: the model it compiles,
+    to name the parameters a graph reads by identity (FSDP2 units whose frames resume with a module on the stack)."""
+    return PrecisionBackend(policy=policy, plan=plan, inner=inner, mode=mode, strict=strict, model=model)
 
 
 precision_backend = PrecisionBackend()

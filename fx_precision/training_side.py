@@ -212,7 +212,7 @@ def _compile(side: TrainingSide) -> TrainingSide:
     if side.cfg.compiles():
         from fx_precision.backend import make_precision_backend
 
-        side.backend = make_precision_backend(policy=side.policy, plan=side.plan, inner=side.cfg.inner_compiler())
+        side.backend = make_precision_backend(policy=side.policy, plan=side.plan, inner=side.cfg.inner_compiler(), model=side.model)
         side.forward = torch.compile(side.model, backend=side.backend, dynamic=False)
     return side
 

@@ -198,3 +198,13 @@ def test_a_built_in_side_on_fsdp2_ranks_is_compared_token_by_token() -> None:
     data = json.loads(run.stdout)
     assert data["a"].startswith("train rank 0/2") and data["logprob"]["comparable"], data["logprob"]
     assert len(data["logprob"]["sequences"]) == 2 and data["logprob"]["max"] > 0  # fp32 compute vs the bf16 stand-in
+
+
+def test_a_compiled_side_on_fsdp2_ranks_names_a_module_a_resumed_frame_holds() -> None:
+    """The toy decoder returns ``self.lm_head(self.model(x))``: FSDP2's hooks break the graph inside ``self.model``, and
+    the frame resumes with lm_head on its stack, where Dynamo names its weight ``stack0.weight``. The backend names it by
+    identity (the training side passes it the model), so the compiled side runs on the ranks."""
+    run = run_cli("compare", "--model", "toy-decoder", "--rollout", "bf16", "--world-size", "2", "--compiled", "--json")
+    assert run.returncode == 0, run.stderr[-2000:]
+    data = json.loads(run.stdout)
+    assert data["a"] == "train (compiled: logits only)" and data["logprob"]["comparable"] and data["logprob"]["max"] > 0

@@ -31,6 +31,7 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fx_precision.engines import live_engines
@@ -447,7 +448,8 @@ def _sweep_parser(sub: Any) -> None:
 def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
     from fx_precision.tools.compare_sides import SideConfig
 
-    return SideConfig(_census_config(args), world_size=_world_size(args), compiled=getattr(args, "compiled", False), inputs=inputs)
+    return SideConfig(_census_config(args), world_size=_world_size(args), compiled=getattr(args, "compiled", False), inputs=inputs,
+                      inner=getattr(args, "inner", "inductor"))  # fmt: skip
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -513,11 +515,10 @@ def cmd_compare(args: argparse.Namespace) -> int:
         first, second = args.dumps
         sides = CompareSides(dump_or_engine_files(first), dump_or_engine_files(second), f"a: {first}\nb: {second}")
     elif is_engine_dump(args.rollout):
-        from fx_precision.tools.train_side import TrainConfig, against_engine_dump
+        from fx_precision.tools.train_side import against_engine_dump
 
-        cfg = TrainConfig(args.model, _census_config(args), contract=args.contract is not None, world_size=_world_size(args),
-                          compiled=args.compiled, inner=args.inner)  # fmt: skip
-        sides = against_engine_dump(args.rollout, cfg, contract_engine=args.contract).sides()
+        side = replace(_side_config(args), contract=args.contract is not None)
+        sides = against_engine_dump(args.rollout, side, contract_engine=args.contract).sides()
     else:
         if args.contract:
             raise PrecisionError("--contract follows an engine: give --rollout an engine dump (fx-precision rollout writes one)")

@@ -36,12 +36,22 @@ from fx_precision.training_side import RunConfig, TrainingSide, build_training_s
 
 @dataclass(frozen=True)
 class SideConfig:
-    """A training side: the census driver's policy knobs, plus how it runs."""
+    """compare's (and dump's) training side as the flags give it: the model and its policy knobs (the census driver's
+    CensusConfig: gather, compute, master, rules, the eager fix, the token batch), and how it runs. The built-in sides
+    and the side against an engine dump (tools/train_side.py) read the same one; each lowers it onto the training
+    side's RunConfig."""
 
     policy: CensusConfig
     world_size: int = 0  # 0: in-process, no FSDP2; N: FSDP2 on N gloo ranks
     compiled: bool = False
-    inputs: bool = True
+    inputs: bool = True  # record every module call with its inputs (the comparator's origins need them)
+    inner: str = "inductor"  # the backend's inner compiler when compiled
+    contract: bool = False  # against an engine dump: follow the engine contract it recorded
+
+    @property
+    def model(self) -> str:
+        """The model: a built-in name or factory, or (against an engine dump) the checkpoint directory it ran."""
+        return self.policy.model
 
 
 def shared_model(name: str, seed: int = 0) -> nn.Module:
@@ -74,7 +84,8 @@ def run_config(side: SideConfig) -> RunConfig:
     very token ids the side runs."""
     cfg = side.policy
     ids = _ids(build_model(cfg.model, seed=cfg.seed, device="meta"), cfg) if cfg.eager_fix else None
-    return RunConfig(ZooModel(cfg.model, cfg.seed), policy=cfg.policy, compiled=side.compiled, eager_fix=cfg.eager_fix, example_ids=ids)
+    return RunConfig(ZooModel(cfg.model, cfg.seed), policy=cfg.policy, compiled=side.compiled, inner=side.inner, eager_fix=cfg.eager_fix,
+                     example_ids=ids)  # fmt: skip
 
 
 def train_dump(side: SideConfig) -> Dump:

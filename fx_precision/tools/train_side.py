@@ -1,9 +1,10 @@
 """The training side against a real engine's dump: the same checkpoint, the engine's token ids, as a dump.
 
-train_against(engine_dump, TrainConfig(checkpoint, policy, contract, world_size, compiled))
-├── load the checkpoint as fp32 masters (they hold its bf16 values exactly, as after a weight sync)
-├── policy: as given (gather, compute, rules), or the engine contract's (gather bf16, compute bf16,
-│   and the contract's graph rewrites in the backend)
+train_against(engine_dump, SideConfig(CensusConfig(model=checkpoint, ...), world_size, compiled, contract=...))
+├── the training side (fx_precision/training_side.py, from the SideConfig by run_config): the checkpoint as fp32
+│   masters (they hold its bf16 values exactly, as after a weight sync); the policy as given (gather, compute,
+│   rules, the eager fix), or the engine contract's (gather bf16, compute bf16, and the contract's graph rewrites in
+│   the backend)
 ├── run each of the dump's sequences alone (batch 1, call i = sequence i), teacher-forced over
 │   prompt + generated tokens: in process (eager, gathers emulated at use), compiled with
 │   precision_backend (Inductor, or aot_eager), or under FSDP2 on N gloo ranks (rank 0 records)
@@ -25,21 +26,11 @@ from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
 from fx_precision.logprobs import LogprobForm, token_logprobs
 from fx_precision.tools.census_driver import CensusConfig
+from fx_precision.tools.compare_sides import CompareSides, SideConfig
 from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, compile_limits
 
 
-@dataclass(frozen=True)
-class TrainConfig:
-    checkpoint: str
-    policy: CensusConfig  # gather / compute / master / rules, as the census driver reads them
-    contract: bool = False  # follow the engine contract the dump recorded
-    world_size: int = 0  # 0: in process; N: FSDP2 on N gloo ranks
-    compiled: bool = False
-    inner: str = "inductor"  # the backend's inner compiler when compiled
-    modules: bool = True  # record module inputs and outputs (eager, in process)
-
-
-def run_config(cfg: TrainConfig, dump: Dump) -> RunConfig:
+def run_config(cfg: SideConfig, dump: Dump) -> RunConfig:
     """The training side's RunConfig (fx_precision/training_side.py): the policy knobs (the eager fix included), and the
     dump's contract."""
     from fx_precision.contract import contract_of_dump
@@ -47,7 +38,7 @@ def run_config(cfg: TrainConfig, dump: Dump) -> RunConfig:
     contract = contract_of_dump(dump) if cfg.contract else None
     fix = cfg.policy.eager_fix  # derived on the dump's first sequence
     example = torch.tensor([dump.sequences[0].tokens]) if fix and dump.sequences else None
-    return RunConfig(cfg.checkpoint, policy=cfg.policy.policy, contract=contract, compiled=cfg.compiled, inner=cfg.inner, eager_fix=fix,
+    return RunConfig(cfg.model, policy=cfg.policy.policy, contract=contract, compiled=cfg.compiled, inner=cfg.inner, eager_fix=fix,
                      example_ids=example)  # fmt: skip
 
 
@@ -103,26 +94,24 @@ class EngineRun:
     contract: Any
     notes: list[str]
 
-    def sides(self) -> Any:
+    def sides(self) -> CompareSides:
         """As compare reads them (tools/compare_sides.CompareSides): a the training side, b the engine."""
-        from fx_precision.tools.compare_sides import CompareSides
-
         head = f"a: {self.train.source}\nb: {self.engine.source} ({(self.engine.engine or {}).get('kernels', '')})"
         if self.contract is not None:
             head += f"\ncontract: {self.contract.describe()}" + "".join(f"\n{note}" for note in self.notes)
         return CompareSides(self.train, self.engine, head, self.notes)
 
 
-def against_engine_dump(path: str, cfg: TrainConfig, *, contract_engine: str | None = None) -> EngineRun:
+def against_engine_dump(path: str, cfg: SideConfig, *, contract_engine: str | None = None) -> EngineRun:
     """Read the engine dump at ``path`` against itself (``check_engine_dump``), hold the contract to its evidence where one
     is followed (``contract_engine``: the engine it must be the contract of), and run the training side on its sequences."""
     from fx_precision.contract import contract_notes, contract_of_dump
     from fx_precision.dump import check_engine_dump, load_dump
     from fx_precision.tools.zoo import is_checkpoint_path
 
-    if not is_checkpoint_path(cfg.checkpoint):
+    if not is_checkpoint_path(cfg.model):
         raise PrecisionError(
-            f"--rollout {path} is an engine dump: --model must be the checkpoint directory the engine ran, got {cfg.checkpoint!r}"
+            f"--rollout {path} is an engine dump: --model must be the checkpoint directory the engine ran, got {cfg.model!r}"
         )
     engine = load_dump(path)
     if isinstance(engine, dict):
@@ -145,7 +134,7 @@ def first_origin(checkpoint: str, rollout: str, *, contract: bool) -> dict[str, 
     on-policy loop's strict mode reports on the step it stopped at)."""
     from fx_precision.compare import compare
 
-    run = against_engine_dump(rollout, TrainConfig(checkpoint, CensusConfig(model=checkpoint), contract=contract))
+    run = against_engine_dump(rollout, SideConfig(CensusConfig(model=checkpoint), contract=contract))
     result = compare(run.train, run.engine)
     origin, op = result.first_origin, result.first_op
     return {"module": origin.fqn if origin else None, "op": op.op_a if op else None, "explanation": op.explanation if op else None}
@@ -159,28 +148,28 @@ def name_first_origin(run: Any, *, contract: bool) -> None:
     run.stopped += f"; first origin: {run.origin['module']} (op {run.origin['op']})"
 
 
-def train_against(dump: Dump, cfg: TrainConfig) -> Dump:
+def train_against(dump: Dump, cfg: SideConfig) -> Dump:
     """Record the training side on ``dump``'s sequences (see the module docstring)."""
     if not dump.sequences:
         raise PrecisionError(f"dump {dump.source} holds no token sequences; an engine dump (fx-precision rollout) does")
     if cfg.world_size > 0:
         from fx_precision.ranks import run_on_ranks
 
-        _check_weights(cfg.checkpoint, dump)
+        _check_weights(cfg.model, dump)
         slim = replace(dump, records=[], calls=[], replays={})  # what a rank reads: sequences, steps, contract (not the records)
         return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg)[0]
-    _check_weights(cfg.checkpoint, dump)
+    _check_weights(cfg.model, dump)
     side = build_training_side(run_config(cfg, dump))
     _check_vocabulary(side, dump)
-    out = Dump(side.name, inputs=cfg.modules and not side.cfg.compiles(), contract=dump.contract if cfg.contract else None)
+    out = Dump(side.name, inputs=cfg.inputs and not side.cfg.compiles(), contract=dump.contract if cfg.contract else None)
     rows = _engine_rows(dump, side.policy)
     if side.cfg.compiles():
         _forward_all(side, dump, out, rows)
         out.source = f"{side.describe()}; rewrites {side.rewrites() or 'none'}"
-        if cfg.modules and cfg.contract and _has_module_records(dump):
+        if cfg.inputs and cfg.contract and _has_module_records(dump):
             _record_modules_under_contract(side, dump, out)
         return out
-    if cfg.modules:
+    if cfg.inputs:
         with DumpRecorder(side.model, inputs=True, replay=True) as recorder:
             _forward_all(side, dump, out, rows)
         out.records = recorder.dump.records + out.records
@@ -306,7 +295,7 @@ def _check_vocabulary(side: TrainingSide, dump: Dump) -> None:
         )
 
 
-def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: TrainConfig) -> Dump:
+def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: SideConfig) -> Dump:
     """Inside a gloo rank: the checkpoint under FSDP2 (per-layer units, the policy's plan), every rank
     on the same sequences; rank 0's log-probs are the side's."""
     from fx_precision.ranks import cpu_mesh

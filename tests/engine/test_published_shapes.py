@@ -75,14 +75,15 @@ def test_a_planted_mismatch_is_named_by_its_origin_and_op(shaped: dict[str, Path
     on the engine's inputs under the contract, the op that made its differing output."""
     from fx_precision.compare import compare
     from fx_precision.tools.census_driver import CensusConfig
-    from fx_precision.tools.train_side import TrainConfig, train_against
+    from fx_precision.tools.compare_sides import SideConfig
+    from fx_precision.tools.train_side import train_against
 
     engine = load_dump(str(shaped["dump"]))
     assert not isinstance(engine, dict)
     evidence = engine.contract["evidence"]  # planted with its evidence: a dump whose contract contradicts it is refused
     kept = {**evidence, "norm": {**evidence["norm"], "kept": "plain"}}
     planted = replace(engine, contract={**engine.contract, "norm": "plain", "evidence": kept})
-    train = train_against(planted, TrainConfig(str(shaped["checkpoint"]), CensusConfig(model=str(shaped["checkpoint"])), contract=True))
+    train = train_against(planted, SideConfig(CensusConfig(model=str(shaped["checkpoint"])), contract=True))
     result = compare(train, planted)
     assert result.logprob is not None and result.logprob["prompt"]["bitwise_share"] < 0.5
     assert result.first_origin is not None and result.first_origin.fqn == "model.layers.0.post_attention_layernorm"
