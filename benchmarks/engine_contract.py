@@ -113,12 +113,10 @@ def step_times(checkpoint: Path, dump_dir: Path | None, steps: int) -> dict[str,
     """Median fwd+bwd seconds of a compiled training step on the engine dump's sequences (one batch), without and
     with the contract's rewrites: the contract's step computes every row in the order of the engine call that
     computed it (the dump's row plan), as an RL trainer's recompute does."""
-    import fx_precision as fxp
-    from fx_precision.backend import make_precision_backend
-    from fx_precision.checkpoints import load_checkpoint
     from fx_precision.contract import contract_of_dump
-    from fx_precision.contract.batch_rows import EngineRows, engine_rows, row_plans
+    from fx_precision.contract.batch_rows import EngineRows, row_plans
     from fx_precision.dump import load_dump
+    from fx_precision.training_side import AsUsersRunIt, RunConfig, build_training_side
 
     dump = load_dump(str(dump_dir)) if dump_dir is not None else None
     if dump is None or isinstance(dump, dict):
@@ -132,19 +130,15 @@ def step_times(checkpoint: Path, dump_dir: Path | None, steps: int) -> dict[str,
     for name, kept in (("plain", None), ("contract", contract)):
         torch.manual_seed(0)
         torch._dynamo.reset()
-        model = load_checkpoint(str(checkpoint), dtype=torch.float32).train()
-        policy = fxp.PrecisionPolicy(gather=torch.bfloat16, compute=torch.bfloat16, cast_forward_inputs=False, contract=kept)
-        backend = make_precision_backend(policy=policy, plan=policy.plan(model), inner="inductor")
-        compiled = torch.compile(model, backend=backend, dynamic=False)
+        bf16 = AsUsersRunIt(gather=torch.bfloat16, compute=torch.bfloat16)  # the contract's dtypes, without its rewrites
+        side = build_training_side(RunConfig(str(checkpoint), policy=bf16, contract=kept, compiled=True, inner="inductor", train=True))
         times = []
         for i in range(steps + 2):  # two warm-up steps: compilation, then the first run of the compiled code
             started = time.perf_counter()
-            plan = engine_rows(rows) if kept is not None else contextlib.nullcontext()
-            with policy.forward_context("cpu"), plan:
-                logits = compiled(input_ids=ids, use_cache=False).logits
+            logits = side.logits(ids, rows if kept is not None else None)
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
-            model.zero_grad(set_to_none=True)
+            side.model.zero_grad(set_to_none=True)
             if i >= 2:
                 times.append(time.perf_counter() - started)
         out[name] = statistics.median(times)

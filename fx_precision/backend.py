@@ -30,6 +30,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
 from fx_precision.module_graph import module_label
 from fx_precision.passes.analysis import copy_graph_module
+from fx_precision.passes.capture import tensor_names
 from fx_precision.passes.context import GraphRewrite, GraphSetup, Mode, PassContext
 from fx_precision.passes.graph.annotate import param_names
 from fx_precision.passes.graph.casts import InsertedCast
@@ -186,19 +187,20 @@ class PrecisionBackend:
             )
         report = GraphReport(len(self.reports), self.mode, compute, note=note)
         self.reports.append(report)
+        names = self._names()
         if self.plan is not None:
-            self._check_plan_covers(gm, example_inputs)
+            self._check_plan_covers(gm, example_inputs, names)
         if self.mode == "off" or (compute is None and self.plan is None):
             report.note = "; ".join(
                 filter(None, [report.note, "pass off" if self.mode == "off" else "no autocast and no plan: nothing to enforce"])
             )
         elif self.mode == "lint":
-            ctx = self._context(example_inputs, compute, report.index, device_type)
+            ctx = self._context(example_inputs, compute, report.index, device_type, names)
             analysis = run_pipeline(copy_graph_module(gm), ctx, Mode.REPORT).report_analysis()
             report.before = report.after = analysis.findings
             report.stream_before = report.stream_after = analysis.census.stream
         else:
-            self._enforce(gm, example_inputs, compute, report, device_type)
+            self._enforce(gm, self._context(example_inputs, compute, report.index, device_type, names), report)
         report.pass_seconds = time.perf_counter() - start
         inner_start = time.perf_counter()
         with self._inner_config():
@@ -212,25 +214,22 @@ class PrecisionBackend:
         """id -> (FQN, kind) of the model's parameters and buffers as they are now: inside the forward, so under FSDP2
         the unsharded ones the graph reads. Dynamo names a parameter after the source it read it from, and a module a
         resumed frame holds on its stack (``self.head(self.body(x))`` with a graph break in ``body``) has no FQN there."""
-        if self.model is None:
-            return None
-        names = {id(t): (fqn, ParamKind.BUFFER) for fqn, t in self.model.named_buffers()}
-        names.update({id(t): (fqn, ParamKind.PARAMETER) for fqn, t in self.model.named_parameters()})
-        return names
+        return tensor_names(self.model) if self.model is not None else None
 
-    def _check_plan_covers(self, gm: fx.GraphModule, example_inputs: list[Any]) -> None:
+    def _check_plan_covers(self, gm: fx.GraphModule, example_inputs: list[Any], names: dict[int, tuple[str, ParamKind]] | None) -> None:
         """Every parameter this graph reads is in the plan: a plan of another model would emulate
         gathers, and attribute units, that belong to nothing here."""
-        for fqn, kind in param_names(gm, example_inputs, self._names()).values():
+        for fqn, kind in param_names(gm, example_inputs, names).values():
             if kind is ParamKind.PARAMETER and self.units.param(fqn) is None:
                 raise PrecisionError(
                     f"precision_backend: the graph reads parameter {fqn!r}, which the backend's plan does not hold; the plan "
                     "belongs to another model. Compile the plan for this model (compile_precision / policy.plan)"
                 )
 
-    def _context(self, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str) -> PassContext:
+    def _context(self, example_inputs: list[Any], compute: torch.dtype | None, index: int, device_type: str,
+                 names: dict[int, tuple[str, ParamKind]] | None) -> PassContext:  # fmt: skip
         setup = GraphSetup(compute, device_type, self.units)
-        return setup.context(example_inputs, index, names=self._names(), emulate=self.plan is not None)
+        return setup.context(example_inputs, index, names=names, emulate=self.plan is not None)
 
     def _inner_config(self) -> contextlib.AbstractContextManager[Any]:
         """Under an engine contract Inductor keeps every cast the graph holds (emulate_precision_casts):
@@ -250,10 +249,8 @@ class PrecisionBackend:
 
         return engine_rewrites(contract)
 
-    def _enforce(
-        self, gm: fx.GraphModule, example_inputs: list[Any], compute: torch.dtype | None, report: GraphReport, device_type: str
-    ) -> None:
-        result = run_pipeline(gm, self._context(example_inputs, compute, report.index, device_type), Mode.REWRITE, self.rewrites())
+    def _enforce(self, gm: fx.GraphModule, ctx: PassContext, report: GraphReport) -> None:
+        result = run_pipeline(gm, ctx, Mode.REWRITE, self.rewrites())
         report.before = result.findings
         report.stream_before = result.first.census.stream
         report.casts = result.casts

@@ -49,16 +49,17 @@ def rank_device(rank: int) -> torch.device:
     return torch.device("cuda", local)
 
 
-def require_device(device: str) -> None:
-    """``--device cpu|cuda``: refused in one line where it is cuda and this torch sees no CUDA device."""
+def require_device(device: str, where: str = "") -> None:
+    """``--device cpu|cuda``: refused in one line where it is cuda and this torch sees no CUDA device; ``where``: how
+    the verb runs there (" (under torchrun)")."""
     if device == "cuda" and not torch.cuda.is_available():
-        raise PrecisionError("--device cuda: this torch sees no CUDA device; run on a GPU machine (under torchrun) or use --device cpu")
+        raise PrecisionError(f"--device cuda: this torch sees no CUDA device; run on a GPU machine{where} or use --device cpu")
 
 
 def use_device(device: str) -> None:
     """``--device cpu|cuda`` for the ranks started next: ``cuda`` ranks run on their own GPU with NCCL (they read
     FX_PRECISION_DEVICE)."""
-    require_device(device)
+    require_device(device, " (under torchrun)")
     if device == "cuda":
         os.environ["FX_PRECISION_DEVICE"] = "cuda"
 

@@ -68,7 +68,8 @@ class RunConfig:
     inner: str = "inductor"  # the backend's inner compiler when compiled
     train: bool = False  # the model in train mode (dropout stays off: the configs here have none)
     eager_fix: bool = False  # the backend's casts as module hooks: the precision fix without torch.compile
-    example_ids: torch.Tensor | None = field(default=None, compare=False)  # what the eager fix is derived on
+    example_ids: torch.Tensor | Callable[[nn.Module], torch.Tensor] | None = field(default=None, compare=False)  # what the eager
+    # fix is derived on: token ids, or a picklable callable that draws them for the model built
 
     def compiles(self) -> bool:
         return self.compiled or self.contract is not None
@@ -79,7 +80,7 @@ class RunConfig:
     def check(self) -> None:
         """One line naming the flag and the fix for a side that cannot be built as asked."""
         if self.eager_fix and self.compiles():
-            why = "the engine contract compiles the side" if self.contract is not None else "--compiled"
+            why = "the engine contract compiles the side" if self.contract is not None else "--compiled compiles the side"
             raise PrecisionError(
                 f"--eager-fix is the precision fix without torch.compile, and {why}: precision_backend applies the same casts "
                 "in the graph; drop --eager-fix"
@@ -104,8 +105,11 @@ def run_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
         inner = precision_error_in(exc)
         if inner is not None:
             raise inner from None
+        from fx_precision.census import module_class_name
+
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise PrecisionError(f"the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:400]}") from exc
+        name = module_class_name(getattr(model, "_orig_mod", model))  # the user's class, compiled or under FSDP2
+        raise PrecisionError(f"the forward of {name} raised {type(exc).__name__}: {first[:400]}") from exc
 
 
 @dataclass
@@ -153,8 +157,11 @@ class TrainingSide:
     def describe(self) -> str:
         how = f"FSDP2 on {self.mesh.size()} gloo rank(s)" if self.sharded else "in process"
         compiled = f", compiled with precision_backend ({self.cfg.inner_compiler()})" if self.cfg.compiles() else ", eager"
+        return f"train, {how}{compiled} ({self.describe_policy()})"
+
+    def describe_policy(self) -> str:
         fix = f", eager fix: {len(self.fix.hooks)} hook(s)" if self.fix is not None else ""
-        return f"train, {how}{compiled} ({self.policy.describe()}{fix})"
+        return f"{self.policy.describe()}{fix}"
 
     def rewrites(self) -> dict[str, int]:
         reports = getattr(self.backend, "reports", None) or []
@@ -188,7 +195,9 @@ def _derive_fix(side: TrainingSide) -> TrainingSide:
     if side.cfg.eager_fix:
         from fx_precision.eager_fix import eager_casts
 
-        side.fix = eager_casts(side.model, side.cfg.example_ids, policy=side.policy, plan=side.plan, **plain_forward_kwargs(side.model))
+        ids = side.cfg.example_ids
+        ids = ids(side.model) if callable(ids) else ids
+        side.fix = eager_casts(side.model, ids, policy=side.policy, plan=side.plan, **plain_forward_kwargs(side.model))
     return side
 
 

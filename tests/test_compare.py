@@ -207,4 +207,17 @@ def test_a_compiled_side_on_fsdp2_ranks_names_a_module_a_resumed_frame_holds() -
     run = run_cli("compare", "--model", "toy-decoder", "--rollout", "bf16", "--world-size", "2", "--compiled", "--json")
     assert run.returncode == 0, run.stderr[-2000:]
     data = json.loads(run.stdout)
-    assert data["a"] == "train (compiled: logits only)" and data["logprob"]["comparable"] and data["logprob"]["max"] > 0
+    assert data["a"] == "train rank 0/2 (compiled: logits only)" and data["logprob"]["comparable"] and data["logprob"]["max"] > 0
+
+
+def test_flags_the_training_side_would_ignore_are_refused(tmp_path: Path) -> None:
+    """--wrap (plan's) and --inner without --compiled describe nothing the side runs: one line each, nothing written."""
+    runs = [
+        (("compare", "--wrap", "model.layers.*"), "--wrap"),
+        (("dump", "--wrap", "model.layers.*", "--out", str(tmp_path / "dump")), "--wrap"),
+        (("compare", "--inner", "aot_eager"), "--inner"),
+    ]
+    for args, flag in runs:
+        run = run_cli(*args, "--model", "toy-decoder")
+        assert run.returncode == 2 and flag in run.stderr and len(run.stderr.strip().splitlines()) == 1, (args, run.stderr)
+    assert not (tmp_path / "dump").exists()

@@ -12,7 +12,7 @@
                   linear_order.py), by engine_kernels.cpp: AMX tiles, work split over outputs, never over K
         backward  the linear's gradients in bf16, as autocast's linear has them
     fxp_engine::residual_add(a, b) -> a + b           a graph's residual sum that leaves the graph: bf16
-                                                      out, its fp32 sum kept (thread-local, a few)
+                                                      out, its fp32 sum kept (in the forward engine_rows opens)
     fxp_engine::unrounded_residual(x) -> fp32         the next graph's norm input: the kept fp32 sum
                                                       when x is its rounding (checked), else x.float()
         backward  straight through, as an add's and a cast's

@@ -448,6 +448,11 @@ def _sweep_parser(sub: Any) -> None:
 def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
     from fx_precision.tools.compare_sides import SideConfig
 
+    if args.wrap is not None:
+        raise PrecisionError(f"{args.verb} wraps each decoder layer under FSDP2 (--world-size N); --wrap is for `plan`")
+    if getattr(args, "inner", "inductor") != "inductor" and not args.compiled:
+        raise PrecisionError("--inner is the backend's inner compiler with --compiled; add --compiled or drop --inner")
+
     return SideConfig(_census_config(args), world_size=_world_size(args), compiled=getattr(args, "compiled", False), inputs=inputs,
                       inner=getattr(args, "inner", "inductor"))  # fmt: skip
 

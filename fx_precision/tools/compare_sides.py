@@ -15,6 +15,7 @@ gloo ranks or compiled records what it can (module calls on ranks; only the logi
 
 from __future__ import annotations
 
+import functools
 import os
 import shutil
 import uuid
@@ -44,7 +45,8 @@ class SideConfig:
     policy: CensusConfig
     world_size: int = 0  # 0: in-process, no FSDP2; N: FSDP2 on N gloo ranks
     compiled: bool = False
-    inputs: bool = True  # record every module call with its inputs (the comparator's origins need them)
+    inputs: bool = True  # built-in sides: record every module call's inputs too (the comparator's origins need them);
+    # against an engine dump: record module calls at all (False: the log-probs only)
     inner: str = "inductor"  # the backend's inner compiler when compiled
     contract: bool = False  # against an engine dump: follow the engine contract it recorded
 
@@ -83,7 +85,11 @@ def run_config(side: SideConfig) -> RunConfig:
     """The training side's RunConfig (fx_precision/training_side.py) for these knobs; the eager fix is derived on the
     very token ids the side runs."""
     cfg = side.policy
-    ids = _ids(build_model(cfg.model, seed=cfg.seed, device="meta"), cfg) if cfg.eager_fix else None
+    if side.contract:
+        raise PrecisionError(
+            "SideConfig(contract=True) follows an engine dump's contract: the built-in sides have none (compare --rollout DUMP)"
+        )
+    ids = functools.partial(_ids, cfg=cfg) if cfg.eager_fix else None
     return RunConfig(ZooModel(cfg.model, cfg.seed), policy=cfg.policy, compiled=side.compiled, inner=side.inner, eager_fix=cfg.eager_fix,
                      example_ids=ids)  # fmt: skip
 
@@ -105,19 +111,18 @@ def _record(train: TrainingSide, side: SideConfig, source: str = "train") -> Dum
     if train.cfg.compiles():
         with torch.no_grad():
             logits = train.logits(ids)
-        return _root_only(train.name, ids, logits, train.policy.compute)
+        return _root_only(train.name, ids, logits, train.policy.compute, f"{source} (compiled: logits only)")
     with torch.no_grad(), train.forward_context(), DumpRecorder(train.model, inputs=side.inputs, replay=not train.sharded) as recorder:
         train.run(ids)
-    fix = f", eager fix: {len(train.fix.hooks)} hook(s)" if train.fix is not None else ""
-    recorder.dump.source = f"{source} ({train.policy.describe()}{fix})"
+    recorder.dump.source = f"{source} ({train.describe_policy()})"
     return recorder.dump
 
 
-def _root_only(name: str, ids: torch.Tensor, logits: torch.Tensor, compute: torch.dtype | None) -> Dump:
+def _root_only(name: str, ids: torch.Tensor, logits: torch.Tensor, compute: torch.dtype | None, source: str) -> Dump:
     from fx_precision.dtypes import dtype_name
     from fx_precision.dump import CallInfo
 
-    dump = Dump(name, autocast=dtype_name(compute) if compute else None, source="train (compiled: logits only)")
+    dump = Dump(name, autocast=dtype_name(compute) if compute else None, source=source)
     dump.calls.append(CallInfo("", 0, 1, 2))
     dump.records.append(Record("", 0, "in", "args[0]", dtype_name(ids.dtype), tuple(ids.shape), ids.clone()))
     dump.records.append(Record("", 0, "out", "out", dtype_name(logits.dtype), tuple(logits.shape), logits.detach().clone()))
@@ -201,6 +206,7 @@ def rollout_dump(rollout: str, train: SideConfig) -> Dump | str:
         return rollout
     cfg = replace(train.policy, compute=None, rules="", arch_rules=False)
     model = shared_model(cfg.model, cfg.seed)
+    model.eval()  # as the training side runs its model
     with torch.no_grad():  # the weights, not the buffers: RoPE's inv_freq stays fp32, as engines keep it
         for p in model.parameters():
             if p.is_floating_point():

@@ -22,6 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fx_precision.dtypes import dtype_name
 from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
 from fx_precision.logprobs import LogprobForm, token_logprobs
@@ -173,7 +174,8 @@ def train_against(dump: Dump, cfg: SideConfig) -> Dump:
         with DumpRecorder(side.model, inputs=True, replay=True) as recorder:
             _forward_all(side, dump, out, rows)
         out.records = recorder.dump.records + out.records
-        out.calls, out.replays, out.autocast = recorder.dump.calls, recorder.dump.replays, recorder.dump.autocast
+        out.calls, out.replays = recorder.dump.calls, recorder.dump.replays
+        out.autocast = dtype_name(side.policy.compute) if side.policy.compute is not None else None  # what the replays run under
     else:
         _forward_all(side, dump, out, rows)
     out.source = side.describe()
@@ -301,7 +303,7 @@ def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: SideConfig) -> D
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)
-    side = build_training_side(run_config(cfg, dump), mesh=cpu_mesh(world_size))
+    side = build_training_side(run_config(cfg, dump), mesh=cpu_mesh(world_size, cfg.policy.mesh))
     _check_vocabulary(side, dump)
     out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract else None)
     _forward_all(side, dump, out, _engine_rows(dump, side.policy))
