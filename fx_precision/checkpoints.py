@@ -35,7 +35,7 @@ import torch
 from torch import nn
 
 from fx_precision.dtypes import dtype_name, parse_dtype
-from fx_precision.errors import PrecisionError
+from fx_precision.errors import PrecisionError, first_line
 from fx_precision.hf import require_transformers
 
 MAX_LAYERS = 1024  # more than any published decoder (the deepest have ~160); a typo in a config otherwise never answers
@@ -177,8 +177,7 @@ def load_checkpoint(path: str | os.PathLike[str], *, dtype: torch.dtype = torch.
     try:
         model = transformers.AutoModelForCausalLM.from_pretrained(str(directory), config=cc.config, dtype=dtype)
     except (OSError, ValueError, RuntimeError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PrecisionError(f"--model {directory}: loading the weights failed ({first[:300]})") from None
+        raise PrecisionError(f"--model {directory}: loading the weights failed ({first_line(exc, type(exc).__name__, 300)})") from None
     return model.eval()
 
 

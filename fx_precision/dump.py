@@ -53,7 +53,7 @@ from torch.utils._pytree import tree_map
 from fx_precision.callable_module import make_callable
 from fx_precision.census import iter_tensors, module_class_name
 from fx_precision.dtypes import dtype_name
-from fx_precision.errors import PrecisionError
+from fx_precision.errors import PrecisionError, first_line
 from fx_precision.out_dirs import check_out_dir, replace_dir, staging_path
 
 DUMP_VERSION = 2
@@ -395,13 +395,13 @@ def _load_tensor(root: Path, record: Record) -> torch.Tensor:
     try:
         tensor = torch.load(file, weights_only=True, map_location="cpu")
     except pickle.UnpicklingError as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else "unpickling failed"
         raise PrecisionError(
-            f"dump {root}: {file} is refused by weights_only loading (it carries code or other objects: {first[:200]})"
+            f"dump {root}: {file} is refused by weights_only loading (it carries code or other objects: "
+            f"{first_line(exc, 'unpickling failed', 200)})"
         ) from None
     except (RuntimeError, EOFError, zipfile.BadZipFile, OSError, ValueError) as exc:
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        raise PrecisionError(f"dump {root}: {file} is not a readable tensor file (truncated or damaged: {first[:200]})") from None
+        why = first_line(exc, type(exc).__name__, 200)
+        raise PrecisionError(f"dump {root}: {file} is not a readable tensor file (truncated or damaged: {why})") from None
     if not isinstance(tensor, torch.Tensor):
         raise PrecisionError(f"dump {root}: {file} holds a {type(tensor).__name__}, not a tensor ({where})")
     if tuple(tensor.shape) != record.shape or dtype_name(tensor.dtype) != record.dtype:

@@ -51,3 +51,10 @@ def precision_error_in(exc: BaseException) -> PrecisionError | None:
         inner = getattr(current, "inner_exception", None)
         current = inner if isinstance(inner, BaseException) else (current.__cause__ or current.__context__)
     return None
+
+
+def first_line(exc: BaseException, default: str = "", limit: int = 400) -> str:
+    """The first line of ``exc``'s message (at most ``limit`` characters), or ``default`` where it has none: what a
+    one-line PrecisionError quotes of a library's own failure."""
+    text = str(exc).strip()
+    return text.splitlines()[0][:limit] if text else default

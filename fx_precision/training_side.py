@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from fx_precision.contract import EngineContract
-from fx_precision.errors import PrecisionError, precision_error_in
+from fx_precision.errors import PrecisionError, first_line, precision_error_in
 from fx_precision.policy import PrecisionPolicy
 
 
@@ -107,9 +107,8 @@ def run_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
             raise inner from None
         from fx_precision.census import module_class_name
 
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
         name = module_class_name(getattr(model, "_orig_mod", model))  # the user's class, compiled or under FSDP2
-        raise PrecisionError(f"the forward of {name} raised {type(exc).__name__}: {first[:400]}") from exc
+        raise PrecisionError(f"the forward of {name} raised {type(exc).__name__}: {first_line(exc)}") from exc
 
 
 @dataclass

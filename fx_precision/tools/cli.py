@@ -40,6 +40,7 @@ from fx_precision.tools.zoo import MODEL_HELP
 
 if TYPE_CHECKING:
     from fx_precision.tools.census_driver import CensusConfig
+    from fx_precision.tools.compare_sides import SideConfig
 
 Handler = Callable[[argparse.Namespace], int]
 STDOUT = "-"
@@ -445,7 +446,7 @@ def _sweep_parser(sub: Any) -> None:
     p.set_defaults(handler=cmd_sweep)
 
 
-def _side_config(args: argparse.Namespace, inputs: bool = True) -> Any:
+def _side_config(args: argparse.Namespace, inputs: bool = True) -> SideConfig:
     from fx_precision.tools.compare_sides import SideConfig
 
     if args.wrap is not None:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from fx_precision.errors import PrecisionError
+from fx_precision.errors import PrecisionError, first_line, precision_error_in
 from fx_precision.lint import LintReport, lint
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
@@ -52,9 +52,10 @@ def lint_named(cfg: CensusConfig, *, wrap: tuple[str, ...] = (), meta: bool = Fa
     ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len)
     try:
         report = lint(model, ids, policy=policy, plan=plan, dynamic=dynamic, device_type=device_type, **forward_kwargs(model))
-    except PrecisionError:
-        raise
-    except Exception as exc:  # the model's own forward failed while Dynamo traced it
-        first = str(exc).strip().splitlines()[0] if str(exc).strip() else ""
-        raise PrecisionError(f"tracing the forward of {type(model).__name__} raised {type(exc).__name__}: {first[:500]}") from exc
+    except Exception as exc:  # the model's own forward failed while Dynamo traced it; the pass's own error as it is
+        inner = precision_error_in(exc)
+        if inner is not None:
+            raise inner from None
+        why = first_line(exc, limit=500)
+        raise PrecisionError(f"tracing the forward of {type(model).__name__} raised {type(exc).__name__}: {why}") from exc
     return LintRun(report, policy.describe(), meta, model_note(cfg.model, cfg.build_dtype()))

@@ -1,7 +1,7 @@
 """The training side against a real engine's dump: the same checkpoint, the engine's token ids, as a dump.
 
 train_against(engine_dump, SideConfig(CensusConfig(model=checkpoint, ...), world_size, compiled, contract=...))
-├── the training side (fx_precision/training_side.py, from the SideConfig by run_config): the checkpoint as fp32
+├── the training side (fx_precision/training_side.py, from the SideConfig by engine_run_config): the checkpoint as fp32
 │   masters (they hold its bf16 values exactly, as after a weight sync); the policy as given (gather, compute,
 │   rules, the eager fix), or the engine contract's (gather bf16, compute bf16, and the contract's graph rewrites in
 │   the backend)
@@ -31,7 +31,7 @@ from fx_precision.tools.compare_sides import CompareSides, SideConfig
 from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, compile_limits
 
 
-def run_config(cfg: SideConfig, dump: Dump) -> RunConfig:
+def engine_run_config(cfg: SideConfig, dump: Dump) -> RunConfig:
     """The training side's RunConfig (fx_precision/training_side.py): the policy knobs (the eager fix included), and the
     dump's contract."""
     from fx_precision.contract import contract_of_dump
@@ -160,7 +160,7 @@ def train_against(dump: Dump, cfg: SideConfig) -> Dump:
         slim = replace(dump, records=[], calls=[], replays={})  # what a rank reads: sequences, steps, contract (not the records)
         return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg)[0]
     _check_weights(cfg.model, dump)
-    side = build_training_side(run_config(cfg, dump))
+    side = build_training_side(engine_run_config(cfg, dump))
     _check_vocabulary(side, dump)
     out = Dump(side.name, inputs=cfg.inputs and not side.cfg.compiles(), contract=dump.contract if cfg.contract else None)
     rows = _engine_rows(dump, side.policy)
@@ -303,7 +303,7 @@ def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: SideConfig) -> D
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)
-    side = build_training_side(run_config(cfg, dump), mesh=cpu_mesh(world_size, cfg.policy.mesh))
+    side = build_training_side(engine_run_config(cfg, dump), mesh=cpu_mesh(world_size, cfg.policy.mesh))
     _check_vocabulary(side, dump)
     out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract else None)
     _forward_all(side, dump, out, _engine_rows(dump, side.policy))
