@@ -151,7 +151,7 @@ def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
     if x.dtype != y.dtype:
         low = x.dtype if x.dtype.itemsize < y.dtype.itemsize else y.dtype
         narrow = _rel(x.to(low).double(), y.to(low).double())
-    bitwise = x.dtype == y.dtype and bool(torch.equal(x, y))
+    bitwise = same_bits(x, y)
     same_values = bitwise or bool(torch.equal(x64, y64))  # fp32 and bf16 holding the very same numbers
     return TensorDiff(
         **common,
@@ -611,6 +611,24 @@ def logprob_view(dump: Dump) -> LogprobView | None:
     return LogprobView(sequences, [row.double() for row in lp], int(logits.shape[-1]), "from the root's logits")
 
 
+_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
+
+
+def bit_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """Elementwise: the same bit pattern (one dtype). This project's "bitwise" everywhere: -0.0 is not 0.0, and a NaN
+    equals only the same NaN."""
+    if a.dtype != b.dtype or a.shape != b.shape:
+        raise PrecisionError(f"bit_equal: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}")
+    if not a.is_floating_point():
+        return a == b
+    kind = _INT_OF[a.element_size()]
+    return a.contiguous().view(kind) == b.contiguous().view(kind)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(bit_equal(a, b).all())
+
+
 def _stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
     if a.numel() == 0:
         return {"max": 0.0, "mean": 0.0, "k3_kl": 0.0, "bitwise_share": 1.0, "tokens": 0.0}
@@ -621,7 +639,7 @@ def _stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
         "max": float(delta.max()),
         "mean": float(delta.mean()),
         "k3_kl": float(k3.mean()),
-        "bitwise_share": float((a == b).double().mean()),
+        "bitwise_share": float(bit_equal(a, b).double().mean()),  # bit patterns: -0.0 is not 0.0
         "tokens": float(delta.numel()),
     }
 
@@ -666,7 +684,7 @@ def logprob_metrics(da: Dump, db: Dump) -> dict[str, Any] | None:
     result["prompt"] = _stats(a[finite & ~is_generated], b[finite & ~is_generated])
     result["generated"] = _stats(a[finite & is_generated], b[finite & is_generated])
     result["sequences"] = [
-        {"tokens": len(s.tokens), "prompt_len": p, "bitwise": bool(torch.equal(x, y))}
+        {"tokens": len(s.tokens), "prompt_len": p, "bitwise": same_bits(x, y)}
         for s, p, x, y in zip(va.sequences, prompt_lens, va.logprobs, vb.logprobs, strict=True)
     ]
     result["origin"] = {"a": va.origin, "b": vb.origin}

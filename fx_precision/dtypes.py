@@ -56,6 +56,11 @@ def parse_dtype(name: str | torch.dtype, *, what: str = "dtype") -> torch.dtype:
     raise PrecisionError(f"{what}: unknown dtype {name!r}; use one of {', '.join(NAME_TO_DTYPE)}")
 
 
+def optional_dtype(value: str | torch.dtype | None, *, what: str = "dtype") -> torch.dtype | None:
+    """``parse_dtype`` of a value that may be None (no dtype on that axis: autocast off, masters as loaded)."""
+    return None if value is None else parse_dtype(value, what=what)
+
+
 def is_analysed_float(dtype: torch.dtype) -> bool:
     """Floating dtypes the precision contract speaks about (not float8, not complex)."""
     return dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64)

@@ -27,7 +27,7 @@ from torch import nn
 from fx_precision.archs import arch_rules
 from fx_precision.autocast import autocast_context
 from fx_precision.contract import EngineContract
-from fx_precision.dtypes import AXIS_DTYPES, COMPUTE_DTYPES, axis_dtype, dtype_name
+from fx_precision.dtypes import AXIS_DTYPES, COMPUTE_DTYPES, axis_dtype, dtype_name, optional_dtype, parse_dtype
 from fx_precision.errors import PrecisionError
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
@@ -105,10 +105,10 @@ def resolve_policy(
     result wraps exactly like a plain per-layer FSDP2 wrap.
     """
     base = PrecisionPolicy(
-        master=master,  # type: ignore[arg-type]
-        gather=gather,  # type: ignore[arg-type]
-        compute=compute,  # type: ignore[arg-type]
-        reduce=reduce,  # type: ignore[arg-type]
+        master=optional_dtype(master, what="master"),
+        gather=parse_dtype(gather, what="gather"),
+        compute=optional_dtype(compute, what="compute"),
+        reduce=parse_dtype(reduce, what="reduce"),
         spec=PrecisionSpec(),
         cast_forward_inputs=cast_forward_inputs,
     )

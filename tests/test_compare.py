@@ -221,3 +221,20 @@ def test_flags_the_training_side_would_ignore_are_refused(tmp_path: Path) -> Non
         run = run_cli(*args, "--model", "toy-decoder")
         assert run.returncode == 2 and flag in run.stderr and len(run.stderr.strip().splitlines()) == 1, (args, run.stderr)
     assert not (tmp_path / "dump").exists()
+
+
+def test_bitwise_means_bit_patterns_a_negative_zero_is_not_zero() -> None:
+    """compare counts bit patterns, as the on-policy loop's certification does: a -0.0 log-prob against 0.0 is equal as a
+    number and not bitwise; the sequence holding it is not bitwise either."""
+    import torch
+
+    from fx_precision.compare import bit_equal, logprob_metrics
+    from fx_precision.dump import Dump, Sequence
+
+    a, b = Dump("M"), Dump("M")
+    a.add_logprobs(Sequence((1, 2, 3, 4), 2), torch.tensor([-1.0, 0.0, -2.0]))
+    b.add_logprobs(Sequence((1, 2, 3, 4), 2), torch.tensor([-1.0, -0.0, -2.0]))
+    found = logprob_metrics(a, b)
+    assert found is not None and found["max"] == 0.0
+    assert abs(found["bitwise_share"] - 2 / 3) < 1e-12 and found["sequences"][0]["bitwise"] is False
+    assert bit_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")])).all()  # the same NaN, the same bits

@@ -109,6 +109,7 @@ def test_hooks_derived_on_a_full_size_meta_config_work_on_the_small_model_of_the
     }
     small = arch("llama").build()  # 2 layers, hidden 32
     ids = torch.randint(0, 256, (2, 8))
+    torch._dynamo.reset()  # this worker's earlier tests' compiled Llama frames: a freed backend's id can be reused by this one
     with torch.autocast("cpu", dtype=BF16):
         compiled = torch.compile(small, backend=fxp.make_precision_backend(inner="aot_eager"))(input_ids=ids).logits
         with fix.apply(small):

@@ -260,3 +260,31 @@ def test_llama_lint_lists_the_embedding_and_the_norms_it_masks_in_one_run() -> N
     assert all(f.masked_by == (embed.node,) for f in norms)
     assert {f.module.rsplit(".", 1)[-1] for f in norms} == {"input_layernorm", "post_attention_layernorm", "norm"}
     assert len(report.findings) == 8  # nothing else: the artefacts of the leak are not listed
+
+
+def test_lint_leaves_the_users_compiled_functions_compiled() -> None:
+    """fxp.lint traces with a backend of its own; a function the user compiled before keeps its compiled code (its
+    backend is not called again on its next call), and linting twice gives the same findings."""
+    import torch
+    from torch import nn
+
+    import fx_precision as fxp
+
+    compiles: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]) -> object:
+        compiles.append(1)
+        return gm.forward
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Embedding(32, 16), nn.Linear(16, 16), nn.LayerNorm(16))
+    users = torch.compile(lambda x: model(x) * 2, backend=counting)
+    ids = torch.randint(0, 32, (2, 5))
+    users(ids)
+    assert len(compiles) == 1
+    with torch.autocast("cpu", torch.bfloat16):
+        first = fxp.lint(model, ids)
+        again = fxp.lint(model, ids)
+    users(ids)
+    assert len(compiles) == 1, "the user's function was compiled again"
+    assert first.findings and [f.code for f in first.findings] == [f.code for f in again.findings]

@@ -11,15 +11,12 @@ Self-activating: no rule unless a compute dtype is set and differs from the gath
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import nn
 
-from fx_precision.archs.registry import input_embedding_fqns, register_arch
+from fx_precision.archs.registry import DtypeAxes, input_embedding_fqns, register_arch
 from fx_precision.spec import ModuleSel, PrecisionSpec, Rule
-
-if TYPE_CHECKING:
-    from fx_precision.policy import PrecisionPolicy
 
 GATED_DELTA_NET_MODEL_TYPES = frozenset(
     {
@@ -52,7 +49,7 @@ def is_gated_delta_net(config: Any) -> bool:
 
 
 @register_arch
-def embedding_at_compute_dtype(config: Any, policy: PrecisionPolicy, model: nn.Module | None = None) -> PrecisionSpec:
+def embedding_at_compute_dtype(config: Any, policy: DtypeAxes, model: nn.Module | None = None) -> PrecisionSpec:
     """The input embedding (by role when the model is known; ``*embed_tokens`` from a config alone)."""
     if not is_gated_delta_net(config) or policy.compute is None or policy.compute == policy.gather:
         return PrecisionSpec()

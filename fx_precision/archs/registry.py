@@ -1,10 +1,11 @@
 """The registry of per-architecture precision rules, resolved by ``resolve_policy``.
 
-A provider looks at a model's ``transformers`` config and the run's policy and returns the
+A provider looks at a model's ``transformers`` config and the run's dtype axes and returns the
 rules that architecture needs (often none). Providers are self-activating: they return rules
 only when the policy's dtypes make them matter.
 
-    register_arch(provider)              provider(config, policy, model | None) -> PrecisionSpec
+    DtypeAxes                            what a provider reads of the policy: its gather and compute dtypes
+    register_arch(provider)              provider(config, axes, model | None) -> PrecisionSpec
     arch_rules(config, policy, model)    the concatenation of every provider's rules, in registration order
     input_embedding_fqns(model)          the input embeddings by role (get_input_embeddings), not by name
 """
@@ -12,16 +13,25 @@ only when the policy's dtypes make them matter.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
+import torch
 from torch import nn
 
 from fx_precision.spec import PrecisionSpec
 
-if TYPE_CHECKING:
-    from fx_precision.policy import PrecisionPolicy
 
-ArchProvider = Callable[[Any, "PrecisionPolicy", "nn.Module | None"], PrecisionSpec]
+class DtypeAxes(Protocol):
+    """What a provider reads of a policy (``PrecisionPolicy`` is one): the gather and compute dtypes."""
+
+    @property
+    def gather(self) -> torch.dtype: ...
+
+    @property
+    def compute(self) -> torch.dtype | None: ...
+
+
+ArchProvider = Callable[[Any, DtypeAxes, "nn.Module | None"], PrecisionSpec]
 _PROVIDERS: list[ArchProvider] = []
 
 
@@ -32,7 +42,7 @@ def register_arch(provider: ArchProvider) -> ArchProvider:
     return provider
 
 
-def arch_rules(config: Any, policy: PrecisionPolicy, model: nn.Module | None = None) -> PrecisionSpec:
+def arch_rules(config: Any, policy: DtypeAxes, model: nn.Module | None = None) -> PrecisionSpec:
     """Every provider's rules; ``model`` (when known) lets a rule select modules by role, not by name."""
     spec = PrecisionSpec()
     for provider in _PROVIDERS:

@@ -13,6 +13,8 @@ device's autocast dispatch key while allocating nothing.
 from __future__ import annotations
 
 import contextlib
+import copy
+import inspect
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -71,13 +73,36 @@ def _fake_weights(model: nn.Module, fake_mode: FakeTensorMode, device_type: str)
             getattr(module, kind)[name] = value
 
 
+@contextlib.contextmanager
+def _users_dynamo_state_kept() -> Iterator[None]:
+    """Dynamo's shape history (automatic dynamic: a frame seen at other sizes compiles dynamic next time) as it was
+    before: a capture's sizes (a full-size meta model's) never decide how the user's next compile of the same code
+    traces. Compiled code is left alone anyway: each cache entry answers to the backend that made it."""
+    from torch._dynamo import pgo
+
+    saved = copy.deepcopy(pgo._CODE_STATE)
+    try:
+        yield
+    finally:
+        pgo._CODE_STATE = saved
+
+
+def _isolated_compile(model: nn.Module, backend: Any, dynamic: bool) -> Any:
+    """``torch.compile`` in a recompile region of its own where this torch has them (2.13: ``isolate_recompiles``)."""
+    compile_fn: Any = torch.compile
+    isolated = "isolate_recompiles" in inspect.signature(torch.compile).parameters
+    return compile_fn(model, backend=backend, dynamic=dynamic, **({"isolate_recompiles": True} if isolated else {}))
+
+
 def capture_graphs(
     model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], *, dynamic: bool, device_type: str, autocast: Any
 ) -> tuple[list[Captured], dict[int, tuple[str, ParamKind]]]:
     """Run ``model(*args, **kwargs)`` once under Dynamo and keep every graph it hands a backend.
 
-    Resets Dynamo's caches first (so the lint sees a fresh trace; compiled functions recompile on
-    their next call). Returns the graphs and ``id(tensor) -> (fqn, kind)`` for what was traced.
+    Dynamo's caches are left as they are: the capture compiles in a region of its own (``isolate_recompiles``: its
+    entries neither count against the user's recompile limit nor answer a later lookup), a function the user
+    compiled keeps its compiled code (no recompilation on its next call), and the shape history that decides
+    automatic dynamic shapes is restored after. Returns the graphs and ``id(tensor) -> (fqn, kind)``.
     """
     graphs: list[Captured] = []
 
@@ -85,7 +110,7 @@ def capture_graphs(
         graphs.append(Captured(gm, list(example_inputs)))
         return gm.forward
 
-    torch._dynamo.reset()
+    kept = _users_dynamo_state_kept()
     existing_fake = detect_fake_mode([*model.parameters(), *model.buffers()])
     if _is_meta(model):
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
@@ -99,13 +124,13 @@ def capture_graphs(
         fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
         with _fake_weights(model, fake_mode, device_type):
             names = tensor_names(model)
-            with fake_mode, autocast:
-                torch.compile(model, backend=recorder, dynamic=dynamic)(*fake_args, **fake_kwargs)
+            with kept, fake_mode, autocast:
+                _isolated_compile(model, recorder, dynamic)(*fake_args, **fake_kwargs)
     else:
         names = tensor_names(model)
         ctx = existing_fake if existing_fake is not None else contextlib.nullcontext()
-        with ctx, autocast:
-            torch.compile(model, backend=recorder, dynamic=dynamic)(*args, **kwargs)
+        with kept, ctx, autocast:
+            _isolated_compile(model, recorder, dynamic)(*args, **kwargs)
     if not graphs:
         raise PrecisionError(
             f"Dynamo captured no graph from {type(model).__name__}; is the forward decorated with torch.compiler.disable, "

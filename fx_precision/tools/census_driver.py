@@ -58,10 +58,12 @@ class CensusConfig:
             return resolve_policy(
                 model, master=self.master, gather=self.gather, compute=self.compute, spec=spec, cast_forward_inputs=self.cast_forward_inputs
             )
+        from fx_precision.dtypes import optional_dtype, parse_dtype
+
         return PrecisionPolicy(
-            master=self.master,  # type: ignore[arg-type]
-            gather=self.gather,  # type: ignore[arg-type]
-            compute=self.compute,  # type: ignore[arg-type]
+            master=optional_dtype(self.master, what="--master"),
+            gather=parse_dtype(self.gather, what="--gather"),
+            compute=optional_dtype(self.compute, what="--compute"),
             spec=spec or PrecisionSpec(),
             cast_forward_inputs=self.cast_forward_inputs,
         )
