@@ -1,5 +1,6 @@
 """The engine contract, measured against a live vLLM: as-is vs contract, and what the contract costs.
 
+    per CPU family the engine runs as (--isa: auto, or amx,avx512-bf16,avx512,avx2: rollout --isa, cpu_family.py)
     tiny architectures (--archs; a seeded checkpoint, the same file on both sides)
     ├── rollout     in the engine environment, on 1 and on 2 OpenMP threads: 4 prompts (7, 40, 150, 301
     │               tokens; the last spans three KV blocks of 128), 8 sampled tokens each
@@ -18,7 +19,7 @@ main environment; the engine environment from ``python -m fx_precision.tools.eng
 
     python benchmarks/engine_contract.py --engine-python .venv-engine/bin/python \\
         [--archs qwen3,llama,...] [--full qwen3,llama] [--shapes qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b]
-        [--step qwen3-0.6b] [--threads 1,2] [--json FILE]
+        [--step qwen3-0.6b] [--threads 1,2] [--isa auto|amx,avx512-bf16,avx512,avx2] [--rows short|all] [--json FILE]
 
 Step times want a quiet machine. Prints what it measured in this run as a table, and JSON with the
 machine, the versions and the command.
@@ -51,10 +52,10 @@ CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "configs"  # published
 
 
 def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_tokens: int, split_kv: str = "default",
-            prompt_lens: str = PROMPT_LENS, modules: bool = True) -> dict[str, Any]:  # fmt: skip
+            prompt_lens: str = PROMPT_LENS, modules: bool = True, isa: str = "auto") -> dict[str, Any]:  # fmt: skip
     command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--model", str(checkpoint), "--prompt-lens", prompt_lens,
                "--max-tokens", str(max_tokens), "--threads", str(threads), "--split-kv", split_kv, *(["--modules"] if modules else []),
-               "--out", str(out), "--overwrite", "--json"]  # fmt: skip
+               "--isa", isa, "--out", str(out), "--overwrite", "--json"]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -154,20 +155,22 @@ ROWS: dict[str, tuple[str, ...]] = {
     "contract compiled, FSDP2 x2": ("--contract", "vllm", "--compiled", "--world-size", "2"),
 }
 SHORT = ("as-is eager", "contract eager", "contract compiled")
+FAMILY_ROWS = ("as-is eager", "contract eager", "contract compiled", "contract compiled, FSDP2 x2")  # --rows short: per family
 
 
-def measure(arch: str, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+def measure(arch: str, args: argparse.Namespace, root: Path, isa: str) -> list[dict[str, Any]]:
     checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=args.seed, overwrite=True)
-    full = arch in args.full
+    full = arch in args.full and args.rows == "all"
     rows = []
     for threads in args.threads if full else args.threads[:1]:
-        dump = root / f"dump-{arch}-t{threads}"
-        engine = rollout(args.engine_python, checkpoint, dump, threads, args.max_tokens, args.split_kv)
+        dump = root / f"dump-{arch}-{isa}-t{threads}"
+        engine = rollout(args.engine_python, checkpoint, dump, threads, args.max_tokens, args.split_kv, isa=isa)
         base = _base(arch, threads, args.split_kv, engine)
         if "error" in engine:
             rows.append({**base, "row": "rollout", "error": engine["error"]})
             continue
         names = ROWS if (full and threads == args.threads[0]) else (SHORT if threads == args.threads[0] else ("contract eager",))
+        names = FAMILY_ROWS if args.rows == "short" else names
         for name in names:
             rows.append({**base, "row": name, **compare(checkpoint, dump, *ROWS[name])})
             print(json.dumps(rows[-1]), flush=True)
@@ -181,6 +184,7 @@ def _base(name: str, threads: int, split_kv: str, engine: dict[str, Any]) -> dic
 
         info = engine["engine"]
         base["engine"] = f"vllm {info['version']} ({info['kernels']}, attention {info['attention_isa']}, {info['threads']} threads)"
+        base["cpu_family"] = info.get("cpu_family")
         base["contract"] = EngineContract.from_dict(engine["contract"]).describe()
         base["probes_matched"] = engine["contract"]["evidence"]["matched"]
         base["rollout_seconds"] = engine["seconds"]
@@ -196,20 +200,25 @@ SHAPE_ROWS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (  # (row, com
 )
 
 
-def measure_shape(name: str, args: argparse.Namespace, root: Path) -> list[dict[str, Any]]:
+SHAPE_FAMILY_ROWS = (SHAPE_ROWS[0], SHAPE_ROWS[1], SHAPE_ROWS[3], ("contract compiled, FSDP2 x2", ("--contract", "vllm", "--compiled",
+                     "--world-size", "2"), None))  # fmt: skip
+
+
+def measure_shape(name: str, args: argparse.Namespace, root: Path, isa: str) -> list[dict[str, Any]]:
     """A published shape (tests/configs/NAME, --layers layers): every row on 1 engine thread, the contract on the
     other thread counts (split-KV off: an order the contract does not follow)."""
     checkpoint = write_shaped_checkpoint(CONFIGS / name / "config.json", root / f"ckpt-{name}", layers=args.layers, seed=args.seed,
                                          overwrite=True)  # fmt: skip
     rows = []
     for threads in args.threads:
-        dump = root / f"dump-{name}-t{threads}"
-        engine = rollout(args.engine_python, checkpoint, dump, threads, args.shape_max_tokens, "off", args.shape_prompt_lens)
+        dump = root / f"dump-{name}-{isa}-t{threads}"
+        engine = rollout(args.engine_python, checkpoint, dump, threads, args.shape_max_tokens, "off", args.shape_prompt_lens, isa=isa)
         base = _base(f"{name} ({args.layers} layers)", threads, "off", engine)
         if "error" in engine:
             rows.append({**base, "row": "rollout", "error": engine["error"]})
             continue
-        for row, flags, training in SHAPE_ROWS if threads == args.threads[0] else SHAPE_ROWS[1:3]:
+        chosen = SHAPE_ROWS if threads == args.threads[0] else SHAPE_ROWS[1:3]
+        for row, flags, training in SHAPE_FAMILY_ROWS if args.rows == "short" else chosen:
             rows.append({**base, "row": row, **compare(checkpoint, dump, *flags, threads=training)})
             print(json.dumps(rows[-1]), flush=True)
     return rows
@@ -233,14 +242,15 @@ def table(rows: list[dict[str, Any]]) -> str:
     for r in rows:
         if r["row"] == "step time" and "error" not in r:
             ratio = f"contract {r['contract']:.3f} s / plain {r['plain']:.3f} s = {r['ratio']:.2f}x"
-            body.append([r["arch"], f"step time (fwd+bwd, Inductor, batch {r['batch'][0]} x {r['batch'][1]})", "", ratio, "", "", ""])
+            body.append([r["arch"], f"step time (fwd+bwd, Inductor, batch {r['batch'][0]} x {r['batch'][1]})", "", "", ratio, "", "", ""])
         elif "error" in r:
-            body.append([r["arch"], r["row"], r.get("threads", ""), f"not run: {r['error']}", "", "", ""])
+            body.append([r["arch"], r["row"], r.get("cpu_family", ""), r.get("threads", ""), f"not run: {r['error']}", "", "", ""])
         else:
             bitwise = f"{r['prompt_bitwise']:.1%} / {r['generated_bitwise']:.1%} ({r['sequences_bitwise']}/{r['sequences']} seq)"
             where = f"{r['origin']} ({r['op']})" if r["origin"] else ""
-            body.append([r["arch"], r["row"], r["threads"], bitwise, f"{r['max']:.2g}", f"{r['mean']:.2g}", where])
-    headers = ["arch", "training side", "engine threads", "bitwise prompt / generated", "max |d|", "mean |d|", "first origin (op)"]
+            body.append([r["arch"], r["row"], r.get("cpu_family", ""), r["threads"], bitwise, f"{r['max']:.2g}", f"{r['mean']:.2g}", where])
+    headers = ["arch", "training side", "engine as", "engine threads", "bitwise prompt / generated", "max |d|", "mean |d|",
+               "first origin (op)"]  # fmt: skip
     return tabulate(body, headers=headers)
 
 
@@ -263,6 +273,10 @@ def main() -> None:
     parser.add_argument("--step-prompt-lens", default="256,256", help="the step's batch: these prompts ...")
     parser.add_argument("--step-max-tokens", type=int, default=256, help="... and this many sampled tokens each (batch 2 x 512)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per variant")
+    parser.add_argument("--isa", default="auto", help="the CPU families the engine runs as, comma-separated (rollout --isa; auto: "
+                        "this machine's own)")
+    parser.add_argument("--rows", choices=["all", "short"], default="all", help="short: per family as-is, contract eager, compiled "
+                        "and compiled on FSDP2 x2, engine threads the first of --threads")
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]
@@ -270,10 +284,11 @@ def main() -> None:
     started = time.perf_counter()
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
-        for arch in filter(None, args.archs.split(",")):
-            rows.extend(measure(arch, args, Path(tmp)))
-        for name in filter(None, args.shapes.split(",")):
-            rows.extend(measure_shape(name, args, Path(tmp)))
+        for isa in args.isa.split(","):
+            for arch in filter(None, args.archs.split(",")):
+                rows.extend(measure(arch, args, Path(tmp), isa))
+            for name in filter(None, args.shapes.split(",")):
+                rows.extend(measure_shape(name, args, Path(tmp), isa))
         if args.step:
             rows.append(measure_step(args.step, args, Path(tmp)))
             print(json.dumps(rows[-1]), flush=True)

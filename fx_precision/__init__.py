@@ -67,6 +67,7 @@ _EXPORTS: dict[str, str] = {
     "EngineRows": "fx_precision.contract.batch_rows",
     "engine_rows": "fx_precision.contract.batch_rows",
     "RolloutConfig": "fx_precision.engines.adapter",
+    "SamplingRequest": "fx_precision.engines.adapter",
     "EngineProcess": "fx_precision.engines.client",
     "engine_python": "fx_precision.engines.client",
     "full_bf16_weights": "fx_precision.onpolicy.weights",

@@ -239,6 +239,27 @@ def weights_digest(path: str | os.PathLike[str]) -> str:
     return f"sha256:{digest.hexdigest()}"
 
 
+FLOAT_STORED = {"F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32, "F64": torch.float64}
+
+
+def non_finite_tensors(path: str | os.PathLike[str]) -> list[tuple[str, int, int]]:
+    """(name, NaN or Inf values, values) of every floating tensor of a checkpoint holding any, streamed a tensor at a
+    time (a checkpoint that cannot be trained on or sampled from, caught before an engine or a rank starts)."""
+    found = []
+    for t in stored_tensors(path):
+        dtype = FLOAT_STORED.get(t.dtype)
+        if dtype is None or t.length == 0:
+            continue
+        with t.file.open("rb") as handle:
+            handle.seek(t.offset)
+            data = handle.read(t.length)
+        values = torch.frombuffer(bytearray(data), dtype=dtype)
+        bad = int((~torch.isfinite(values)).sum())
+        if bad:
+            found.append((t.name, bad, int(values.numel())))
+    return found
+
+
 def check_weights_fit_config(cc: CheckpointConfig) -> None:
     """The weights are the config's: every stored tensor that names a parameter of the model the config builds has that
     parameter's shape (a config whose vocabulary or widths are not the weights' is one line naming the tensor, before

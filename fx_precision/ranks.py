@@ -10,14 +10,22 @@ already: each runs ``fn`` once in its own process, on the launcher's rendezvous 
 result]``; the CLI prints on rank 0 only.
 
 ``fn`` must be importable by name (a module-level function); results must pickle.
+
+No rank outlives its run: a rank dies with the process that forked it (``lifetime.die_with_parent``), a stop signal
+in a rank raises ``lifetime.Stopped`` there (its finally blocks run), and a stop signal in the parent stops every rank
+(SIGTERM, then SIGKILL after a grace period) before ``Stopped`` leaves ``run_on_ranks``. A rank that fails takes the
+others down with it (torch's process context terminates them).
 """
 
 from __future__ import annotations
 
 import os
 import pickle
+import signal
 import socket
+import sys
 import tempfile
+import time
 import traceback
 from collections.abc import Callable
 from typing import Any
@@ -27,6 +35,9 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from fx_precision.errors import PrecisionError
+from fx_precision.lifetime import Stopped, die_with_parent, stop_on_signals
+
+GRACE = 15.0  # seconds a stopped rank has to end its own way (finally blocks: an engine stopped, files removed) before SIGKILL
 
 
 def free_port() -> int:
@@ -82,6 +93,7 @@ def _start_method() -> str:
 def _worker(
     rank: int, world_size: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str]
 ) -> None:
+    die_with_parent(signal.SIGTERM)  # the fork server (or the parent) gone: this rank stops too
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the fork server's from its start
     share = max(1, (os.cpu_count() or 1) // world_size)
@@ -89,7 +101,10 @@ def _worker(
     dist.init_process_group(process_group_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
     path = os.path.join(outdir, f"{rank}.pkl")
     try:
-        result: Any = ("ok", fn(rank, world_size, *args))
+        with stop_on_signals():
+            result: Any = ("ok", fn(rank, world_size, *args))
+    except Stopped as exc:  # a stop signal: the finally blocks below fn ran; the parent says so in one line
+        result = ("stopped", exc.signum)
     except PrecisionError as exc:  # bad input: the parent re-raises it as such, message only
         result = ("precision_error", str(exc))
     except BaseException as exc:  # anything else: ship it back with its traceback
@@ -129,29 +144,63 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
         return _run_launched(fn, args)
     if world_size < 1:
         raise PrecisionError(f"world size {world_size} must be at least 1")
+    if "ignore:resource_tracker:UserWarning" not in sys.warnoptions:  # ranks stopped mid-run leave semaphores it only warns of
+        sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     with tempfile.TemporaryDirectory() as outdir:
+        context = mp.start_processes(
+            _worker, args=(world_size, free_port(), outdir, fn, args, dict(os.environ)), nprocs=world_size, start_method=_start_method(),
+            join=False,
+        )  # fmt: skip
         try:
-            mp.start_processes(
-                _worker, args=(world_size, free_port(), outdir, fn, args, dict(os.environ)), nprocs=world_size, start_method=_start_method()
-            )
+            while not context.join(timeout=1.0):
+                pass
         except mp.ProcessExitedException:
             pass  # the pickled per-rank results below say what went wrong
+        except Stopped:
+            _stop_all(context.processes)
+            raise
         outcomes: dict[int, tuple[str, Any]] = {}
         for rank in range(world_size):
             path = os.path.join(outdir, f"{rank}.pkl")
             if os.path.exists(path):
                 with open(path, "rb") as f:
                     outcomes[rank] = pickle.load(f)
-        for rank, (status, value) in outcomes.items():
+        for status, value in outcomes.values():
             if status == "precision_error":
                 raise PrecisionError(value)
+        missing = [rank for rank in range(world_size) if rank not in outcomes]
+        if missing:  # before the others' failures: a rank killed is why its peers' collectives failed or were stopped
+            how = ", ".join(f"rank {rank} {_exit_status(context.processes[rank].exitcode)}" for rank in missing)
+            raise PrecisionError(f"{how} without a result: the run ended there (a rank killed, or out of memory: see the log above)")
+        stopped = [value for status, value in outcomes.values() if status == "stopped"]
+        if stopped:
+            raise Stopped(stopped[0])
+        for rank, (status, value) in outcomes.items():
             if status == "error":
                 raise RuntimeError(f"rank {rank} failed: {value}")
-        missing = [rank for rank in range(world_size) if rank not in outcomes]
-        if missing:
-            raise RuntimeError(f"rank(s) {missing} died without a result (see their stderr above)")
         results = [outcomes[rank][1] for rank in range(world_size)]
     return results
+
+
+def _exit_status(code: int | None) -> str:
+    if code is None:
+        return "did not end"
+    if code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited {code}"
+
+
+def _stop_all(processes: list[Any]) -> None:
+    """SIGTERM to every rank still running (each ends its own way: Stopped), SIGKILL to those still there after GRACE."""
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    deadline = time.monotonic() + GRACE
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
+        if process.is_alive():
+            process.kill()
+            process.join()
 
 
 def cpu_mesh(world_size: int, shape: tuple[int, int] | None = None, device_type: str = "cpu") -> Any:

@@ -261,3 +261,15 @@ def contract_training(rank: int, world_size: int, arch_name: str, contract: dict
         "grads": first_grads,
         "rewrites": {name: sum(r.rewrites.get(name, 0) for r in backend.reports) for name in backend.reports[0].rewrites},
     }
+
+
+def sleep_and_note_exit(rank: int, world_size: int, directory: str) -> None:
+    """A rank that notes it started, blocks, and notes in its finally block that it ended (tests/test_lifetime.py)."""
+    import time
+    from pathlib import Path
+
+    Path(directory, f"started-{rank}").write_text(str(os.getpid()))
+    try:
+        time.sleep(300)
+    finally:
+        Path(directory, f"exited-{rank}").write_text("")

@@ -102,7 +102,7 @@ def test_a_contract_its_evidence_contradicts_is_refused() -> None:
         contract_of_dump(SimpleNamespace(contract=edited))
     edited = _edited(honest.to_dict(), "linears.calls.0.order.blocks", [8])
     edited["linears"]["calls"][0]["order"]["parts"] = [1]
-    with pytest.raises(PrecisionError, match=r"the call 64x256 at 7 rows is summed as 'K in order', its probe read"):
+    with pytest.raises(PrecisionError, match=r"the call 64x256 at 7 rows is summed as 'AMX: K in order', its probe read"):
         contract_of_dump(SimpleNamespace(contract=edited))
 
 
@@ -359,7 +359,8 @@ def test_the_order_family_is_canonical_and_read_strictly() -> None:
     family = candidate_orders(1024, 2)
     assert len(family) == len(set(family)) and family[0] == LinearOrder.sequential(1024)
     assert LinearOrder(blocks=(11, 11, 10), parts=(3,)) in family and LinearOrder(blocks=(16, 16), parts=(1, 1)).canonical() in family
-    orders = LinearOrders(2, (LinearCall(64, 256, 7, BLOCKED), LinearCall(64, 256, 2, LinearOrder(LinearKernel.PAIRS, bias_first=True))))
+    small_batch = LinearOrder.sequential(256, LinearKernel.PAIRS, bias_first=True)
+    orders = LinearOrders(2, (LinearCall(64, 256, 7, BLOCKED), LinearCall(64, 256, 2, small_batch)))
     assert LinearOrders.from_dict(json.loads(json.dumps(orders.to_dict()))) == orders
     bad = orders.to_dict()
     bad["calls"][0]["rows"] = "seven"

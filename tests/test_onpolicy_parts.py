@@ -12,8 +12,10 @@ import torch
 
 from fx_precision.dump import Sequence
 from fx_precision.errors import PrecisionError
+from fx_precision.onpolicy.batches import StepData, micro_batches
+from fx_precision.onpolicy.config import OnPolicyConfig
 from fx_precision.onpolicy.grpo import group_advantages, grpo_token_loss, ratio_stats
-from fx_precision.onpolicy.loop import OnPolicyConfig, OnPolicyRun, StepData, StepMetrics, certify, micro_batches
+from fx_precision.onpolicy.metrics import STANDARD_NAMES, Certificate, FirstMismatch, OnPolicyRun, StepMetrics, certify
 from fx_precision.onpolicy.run_dir import RunDir
 from fx_precision.onpolicy.task import TargetTokens
 
@@ -55,18 +57,42 @@ def test_certification_compares_bit_patterns_and_names_the_first_mismatch() -> N
     data = _data([[-1.0, -2.0, -3.0, -4.0], [-1.0, -2.0, 0.0, -4.0]])
     same = {0: data.logprobs[0].clone(), 1: data.logprobs[1].clone()}
     found = certify(data, same, same)
-    assert found["mismatches"] == 0 and found["tokens"] == 4 and found["prompt_tokens"] == 4 and found["ratio_min"] == 1.0
+    assert found.mismatches == 0 and found.tokens == 4 and found.prompt_tokens == 4 and found.ratio_min == 1.0
     negative_zero = {0: same[0], 1: torch.tensor([-1.0, -2.0, -0.0, -4.0])}  # equal as floats, not as bits
     found = certify(data, same, negative_zero)
-    assert found["mismatches"] == 1 and found["forward_mismatches"] == 1 and found["recompute_mismatches"] == 0
-    assert found["first"]["sequence"] == 1 and found["first"]["token"] == 3 and found["max_delta"] == 0.0
+    assert found.mismatches == 1 and found.forward_mismatches == 1 and found.recompute_mismatches == 0
+    assert found.first is not None and found.first.sequence == 1 and found.first.token == 3 and found.max_delta == 0.0
     drifted = {0: torch.tensor([-1.0, -2.0, -3.5, -4.0]), 1: same[1]}  # the trainer drifted from the rollout, consistently
     found = certify(data, drifted, drifted)
-    assert found["mismatches"] == found["recompute_mismatches"] == 1 and found["forward_mismatches"] == 0
-    assert found["first"] == {"sequence": 0, "token": 3, "token_id": 3, "rollout": -3.0, "recompute": -3.5, "first_forward": -3.5}
-    assert found["max_delta"] == 0.5 and found["ratio_min"] < 1.0
+    assert found.mismatches == found.recompute_mismatches == 1 and found.forward_mismatches == 0
+    assert found.first == FirstMismatch(0, 3, 3, -3.0, -3.5, -3.5)
+    assert found.max_delta == 0.5 and found.mean_delta == 0.125 and found.ratio_min < 1.0 and found.max_prob_delta > 0
     found = certify(data, {0: torch.tensor([-1.5, -2.0, -3.0, -4.0]), 1: same[1]}, same)  # a prompt token: counted apart
-    assert found["prompt_mismatches"] == 1 and found["mismatches"] == 0 and found["first"] is None
+    assert found.prompt_mismatches == 1 and found.mismatches == 0 and found.first is None
+
+
+def test_a_nan_is_never_equal_and_a_step_that_saw_one_learned_nothing() -> None:
+    """NaN log-probs with the same bit pattern on every side are still mismatches, counted as non-finite; the step that
+    saw one is not learned, its reward leaves the run's trend, and the table says why instead of a reward."""
+    nan = float("nan")
+    data = _data([[-1.0, -2.0, nan, -4.0]])
+    found = certify(data, {0: data.logprobs[0].clone()}, {0: data.logprobs[0].clone()})
+    assert found.non_finite == 1 and found.mismatches == 1 and found.max_delta == 0.0
+    learned = StepMetrics(0, 1, found, 0.25, 0.1, "f", "w", {"step": 1.0})
+    broken = StepMetrics(1, 1, found, 1.0, nan, "f", "w", {"step": 1.0}, non_finite="1 of 2 sampled log-probs, the loss")
+    run = OnPolicyRun({"contract": "none"}, {}, None, [learned, broken])
+    assert learned.learned and not broken.learned
+    assert run.summary()["reward_last3"] == 0.25 and run.summary()["non_finite_steps"] == 1
+    assert broken.row()["reward"].startswith("not finite: 1 of 2 sampled log-probs")
+
+
+def test_the_json_speaks_the_rl_frameworks_names_beside_its_own() -> None:
+    found = certify(_data([[-1.0, -2.0, -3.0]]), {0: torch.tensor([-1.0, -2.0, -3.5])}, {0: torch.tensor([-1.0, -2.0, -3.5])})
+    step = StepMetrics(0, 1, found, 0.5, 0.0, "f", "w", {"step": 1.0}).to_dict()
+    assert step["standard"]["sampling/sampling_logp_difference/max"] == step["max_delta"] == 0.5
+    assert step["standard"]["train/train_rollout_logprob_abs_diff"] == step["mean_delta"]
+    assert step["standard"]["rollout_corr/k3_kl"] == step["k3_kl"] and set(step["standard"]) == set(STANDARD_NAMES)
+    assert step["mismatches"] == 1 and step["first_mismatch"]["token"] == 3
 
 
 def test_every_rank_gets_the_same_number_of_fixed_shape_micro_batches() -> None:
@@ -82,8 +108,7 @@ def test_every_rank_gets_the_same_number_of_fixed_shape_micro_batches() -> None:
 
 def test_the_run_directory_moves_last_only_to_a_complete_step(tmp_path: Path) -> None:
     run = RunDir.create(tmp_path / "run", overwrite=False, sources=())
-    weights = tmp_path / "w.safetensors"
-    weights.write_bytes(b"x")
+    weights = {"w": torch.ones(2, dtype=torch.bfloat16)}
     for step in (0, 1):
         staging = run.staging(step)
         assert not run.last.exists() or run.last.resolve().name == f"{step - 1:04d}"  # the previous step until committed
@@ -91,10 +116,63 @@ def test_the_run_directory_moves_last_only_to_a_complete_step(tmp_path: Path) ->
         run.commit(step, staging)
     assert os.readlink(run.last) == "steps/0001" and sorted(p.name for p in (run.root / "steps").iterdir()) == ["0001"]
     run.write_metrics({"steps": []})
+    run.release()
     with pytest.raises(PrecisionError, match="--overwrite"):
         RunDir.create(run.root, overwrite=False, sources=())
     with pytest.raises(PrecisionError, match="sits inside"):
         RunDir.create(tmp_path / "ckpt" / "run", overwrite=False, sources=(str(tmp_path / "ckpt"),))
+
+
+def test_one_run_per_directory_and_overwrite_never_replaces_a_live_one(tmp_path: Path) -> None:
+    """A run holds DIR's lock while it runs: --overwrite of it is refused naming the live run's pid (nothing is deleted);
+    once it ends, --overwrite replaces it. A run that completed no step leaves nothing; a killed writer's staging and
+    temporary files are removed when the run ends."""
+    live = RunDir.create(tmp_path / "run", overwrite=False, sources=())
+    staging = live.staging(0)
+    live.write_checkpoint(staging, {"w": torch.ones(2, dtype=torch.bfloat16)}, str(tmp_path))
+    live.commit(0, staging)
+    with pytest.raises(PrecisionError, match=rf"a live on-policy run \(pid {os.getpid()}\) is writing it"):
+        RunDir.create(tmp_path / "run", overwrite=True, sources=())
+    assert (live.root / "steps" / "0000").is_dir()  # the live run's step is untouched
+    (live.root / "steps" / ".0001.writing-999999").mkdir()  # a writer killed mid-step
+    (live.root / ".metrics.json.999999").write_text("{")
+    live.release()
+    assert not list((live.root / "steps").glob(".*")) and not (live.root / ".metrics.json.999999").exists()
+    again = RunDir.create(tmp_path / "run", overwrite=True, sources=())
+    assert not (again.root / "steps" / "0000").exists()
+    again.engine_log.write_text("the engine's last words\n")
+    again.release()  # no step completed: only the engine's log is kept, and the next run takes DIR without --overwrite
+    assert sorted(p.name for p in again.root.iterdir()) == [".run.lock", "engine.log"]
+    RunDir.create(tmp_path / "run", overwrite=False, sources=()).release()
+
+
+def test_weights_files_of_owners_that_are_gone_are_removed(tmp_path: Path) -> None:
+    from fx_precision.engines.weights_file import remove_stale, weights_file_name, write_weights
+
+    mine = tmp_path / weights_file_name()
+    write_weights({"w": torch.ones(3)}, mine)
+    dead = 2**22 + 12345  # above the default pid_max: no process has it
+    stale = [tmp_path / f"fxp-engine-{dead}-0.safetensors", tmp_path / f".fxp-engine-{dead}-1.safetensors.writing"]
+    for path in stale:
+        path.write_bytes(b"x")
+    other = tmp_path / "someone-else.safetensors"
+    other.write_bytes(b"x")
+    assert sorted(remove_stale(tmp_path)) == sorted(stale)
+    assert mine.exists() and other.exists()
+
+
+def test_a_checkpoint_with_non_finite_weights_is_found_tensor_by_tensor(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from fx_precision.checkpoints import non_finite_tensors
+
+    head = torch.zeros(4, 8, dtype=torch.bfloat16)
+    head[1, 2] = float("nan")
+    head[3, 0] = float("inf")
+    save_file({"lm_head.weight": head, "model.norm.weight": torch.ones(8, dtype=torch.bfloat16), "ids": torch.arange(3)},
+              str(tmp_path / "model.safetensors"))  # fmt: skip
+    (tmp_path / "config.json").write_text("{}")
+    assert non_finite_tensors(tmp_path) == [("lm_head.weight", 2, 32)]
 
 
 @pytest.mark.parametrize(
@@ -105,6 +183,38 @@ def test_the_run_directory_moves_last_only_to_a_complete_step(tmp_path: Path) ->
 def test_a_bad_config_is_one_error_naming_the_flag(field: str, value: object, needle: str) -> None:
     with pytest.raises(PrecisionError, match=needle.replace("-", r"\-")):
         OnPolicyConfig(checkpoint="ckpt", out="out", **{field: value})  # type: ignore[arg-type]
+
+
+def test_engine_calls_have_limits_from_what_they_are() -> None:
+    from fx_precision.engines import protocol
+    from fx_precision.engines.client import EngineTimeouts
+
+    limits = EngineTimeouts(100.0)
+    assert limits.of(protocol.LoadWeights("w")) == 100.0 and limits.of(protocol.Probe()) == 400.0
+    assert limits.of(protocol.Generate([[1] * 600] * 4, 8, 1.0, 2)) == 100.0 + 0.05 * (608 * 4 * 2)
+    with pytest.raises(PrecisionError, match=r"--engine-timeout 0\.5: seconds between 1 and 86400"):
+        EngineTimeouts(0.5)
+
+
+def test_the_engine_protocol_is_one_schema_both_ends_read_strictly() -> None:
+    from fx_precision.engines import protocol
+    from fx_precision.engines.adapter import RolloutConfig, SamplingRequest
+
+    request = protocol.Generate.of(SamplingRequest(((1, 2, 3),), 4, 0.7, 2))
+    assert protocol.decode_request(protocol.encode(request)) == request
+    assert protocol.decode_request(protocol.encode(request)).sampling() == SamplingRequest(((1, 2, 3),), 4, 0.7, 2)
+    start = protocol.Start.of(RolloutConfig(model="ckpt", prompts=((1, 2, 3, 4, 5),), isa="avx2"))
+    assert protocol.decode_request(protocol.encode(start)).rollout_config().isa == "avx2"  # type: ignore[attr-defined]
+    reply = protocol.encode(protocol.WeightsLoaded(0.5, "sha256:ab"))
+    assert protocol.decode_reply(protocol.LoadWeights("w"), reply) == protocol.WeightsLoaded(0.5, "sha256:ab")
+    with pytest.raises(PrecisionError, match=r"engine \(load_weights\): out of memory"):
+        protocol.decode_reply(protocol.LoadWeights("w"), protocol.encode({"error": "out of memory"}))
+    with pytest.raises(PrecisionError, match="unknown op 'fly'"):
+        protocol.decode_request('{"op": "fly"}')
+    with pytest.raises(PrecisionError, match=r"unknown field\(s\) \['colour'\]"):
+        protocol.decode_request('{"op": "load_weights", "path": "w", "colour": 1}')
+    with pytest.raises(PrecisionError, match="a reply to 'probe' where 'load_weights' was asked"):
+        protocol.decode_reply(protocol.LoadWeights("w"), protocol.encode(protocol.Probed({}, 0.0, {})))
 
 
 def test_greedy_sampling_of_a_group_is_refused_before_an_engine_starts() -> None:
@@ -121,7 +231,10 @@ def test_the_plot_draws_reward_and_mismatch_per_step(tmp_path: Path) -> None:
     pytest.importorskip("matplotlib", reason="the plot needs matplotlib (the dev and plot extras install it)")
     from fx_precision.onpolicy.report import plot, summary_line, table
 
-    steps = [StepMetrics(i, 16, 128, m, m, 0, 0, 96, 0.01 * m, 1.0, 1.0, 0.0, 0.25 + 0.05 * i, 0.0, f"f{i}", f"w{i}", {"step": 0.5})
+    def certificate(m: int) -> Certificate:
+        return Certificate(128, m, m, 0, 96, 0, 0.01 * m, 0.001 * m, 0.0, 0.0, 1.0, 1.0, 0.0, 0)
+
+    steps = [StepMetrics(i, 16, certificate(m), 0.25 + 0.05 * i, 0.0, f"f{i}", f"w{i}", {"step": 0.5})
              for i, m in enumerate((0, 3, 0, 0, 0, 0))]  # fmt: skip
     run = OnPolicyRun({"contract": "vllm", "samples": 4, "temperature": 1.0, "world_size": 2}, {}, None, steps)
     out = plot([("--contract vllm", run)], tmp_path / "p.png")

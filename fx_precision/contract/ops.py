@@ -202,7 +202,7 @@ def round_to(x: torch.Tensor, dtype: torch.dtype, rounding: int) -> torch.Tensor
 @torch.library.custom_op("fxp_engine::rotary", mutates_args=())
 def engine_rotary(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, rounding: int) -> torch.Tensor:
     """Rotary position embedding as the engine's CPU kernel computes it: fp32 math, one bf16 store."""
-    return round_to(_rotate(x, cos, sin), x.dtype, rounding)
+    return round_to(_rotate(x, cos, sin), x.dtype, rounding).contiguous()  # the fake's layout
 
 
 @engine_rotary.register_fake
@@ -369,7 +369,7 @@ def unrounded_residual(x: torch.Tensor) -> torch.Tensor:
     exact = _sums("unrounded_residual").pop(_key(x), None)
     if exact is not None and exact.shape == x.shape and torch.equal(exact.to(x.dtype), x):
         return exact
-    return x.float()
+    return x.float().clone() if x.dtype == torch.float32 else x.float()  # never the input itself: the output is a fresh buffer
 
 
 @unrounded_residual.register_fake
@@ -424,7 +424,7 @@ def eager_math(x: torch.Tensor, op: str, dims: list[int], keepdim: bool, exponen
     and its activations with these; Inductor's generated code sums in another order and uses other
     exp / cos / sin approximations (one fp32 ulp apart on ~10-30% of values, enough to flip a bf16
     rounding now and then), so a compiled graph keeps the eager kernel here."""
-    return _eager(x, op, dims, keepdim, exponent).clone()
+    return _eager(x, op, dims, keepdim, exponent).clone(memory_format=torch.contiguous_format)  # fresh, in the fake's layout
 
 
 @eager_math.register_fake

@@ -37,6 +37,8 @@ from fx_precision.contract.ops import _rotate, engine_attention, round_to
 from fx_precision.contract.vocabulary import LogprobForm, NormForm, RotaryForm, Rounding
 
 PROBE_LENGTHS = (7, 45, 150, 333)  # several KV blocks of 128, and tails off every 16 / 32 boundary
+SEPARATING_LENGTHS = (640, 1031)  # the attention probe's further rounds while two arithmetics give every row so far
+SEPARATING_ROUNDS = 4
 
 
 def mismatches(a: torch.Tensor, b: torch.Tensor) -> int:
@@ -123,10 +125,15 @@ AttentionRun = Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]],
 
 
 def attention_candidates() -> list[AttentionArithmetic]:
+    """Every arithmetic of the engine's CPU attention this CPU can run: the AMX variants only where it has AMX tiles
+    (an engine on a CPU without them never runs them, and the contract's AMX kernel needs them)."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    amx = engine_kernels().cpu_has_amx()
     out = []
     for scores, exp, reduce, fma, store in itertools.product(("amx", "vec"), ("libm", "fast512"), ("avx512", "avx2"), (False, True),
                                                              ("nearest-even", "truncate")):  # fmt: skip
-        if scores == "amx" and (fma or store == "truncate" or reduce == "avx2"):
+        if scores == "amx" and (not amx or fma or store == "truncate" or reduce == "avx2"):
             continue  # AMX: exact bf16 products (fma changes nothing), an AVX-512 build, rounding stores
         out.append(AttentionArithmetic(scores, exp, reduce, scores == "amx", fma, store))  # type: ignore[arg-type]
     return out
@@ -139,11 +146,16 @@ def _contract_attention(arith: AttentionArithmetic, q: torch.Tensor, k: torch.Te
     )[0]
 
 
-def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: int, gen: torch.Generator) -> list[Any]:
+def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: int, gen: torch.Generator,
+              unit_values: bool = False) -> list[Any]:  # fmt: skip
+    """Random requests of these (query rows, keys); ``unit_values``: every value 1, so each output is the P.V sum over
+    the softmax sum, two fp32 sums of the same terms in the kernel's two orders, near 1: a truncating store keeps 1.0
+    or drops below it by which order is which (the separating probe of the lane sums)."""
     made = []
     for q_rows, keys in shape:
         k = (torch.randn(keys, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
-        v = torch.randn(keys, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        v = torch.ones(keys, kv_heads, dim, dtype=torch.bfloat16) if unit_values else torch.randn(keys, kv_heads, dim, generator=gen).to(
+            torch.bfloat16)
         made.append(((torch.randn(keys, heads, dim, generator=gen) * 2).to(torch.bfloat16)[keys - q_rows :].clone(), k, v))
     return made
 
@@ -170,12 +182,30 @@ def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen:
         if counts[arith.describe()] == 0:
             kept.append(arith)
     evidence: dict[str, Any] = {"candidates": counts}
+    from fx_precision.contract.kernels import engine_kernels
+
+    if not engine_kernels().cpu_has_amx():
+        evidence["not tried"] = {"amx": "this CPU has no AMX tiles: no engine here runs them"}
     decoding = [a for a in kept if wrong(a, decode, got_decode) == 0]
     if kept and not decoding:
         evidence["decode"] = "no candidate gives a lone decode row's bits (split-KV on several threads?)"
     kept = decoding or kept
     if not kept:
         return None, {**evidence, "why": "no candidate gives the engine's attention bits at prefill"}
+    if len(kept) > 1:  # the separating probe: unit values, where the softmax sum's order shows through a truncating store
+        separating = [_requests([(n, n)], heads, kv_heads, dim, gen, unit_values=True)[0] for n in PROBE_LENGTHS]
+        got_separating = [run([r])[0] for r in separating]
+        narrowed = [a for a in kept if wrong(a, separating, got_separating) == 0]
+        evidence["separating"] = {a.describe(): wrong(a, separating, got_separating) for a in kept}
+        kept = narrowed or kept
+    for _ in range(SEPARATING_ROUNDS):  # longer prefills while two candidates remain (exp variants part on few rows)
+        if len(kept) <= 1:
+            break
+        longer = [_requests([(n, n)], heads, kv_heads, dim, gen)[0] for n in SEPARATING_LENGTHS]
+        got_longer = [run([r])[0] for r in longer]
+        counts_longer = {a.describe(): wrong(a, longer, got_longer) for a in kept}
+        evidence.setdefault("separating rounds", []).append(counts_longer)
+        kept = [a for a in kept if counts_longer[a.describe()] == 0] or kept
     if len(kept) > 1:  # indistinguishable on these probes: the first in candidate order, recorded as ambiguous
         evidence["ambiguous"] = len(kept)
     evidence["kept"] = kept[0].describe()
@@ -280,47 +310,88 @@ def targeted_rows(weight: torch.Tensor, rows: int, trial: int, gen: torch.Genera
 LinearRun = Callable[[torch.Tensor], torch.Tensor]  # the engine's linear on [M, K] bf16 rows -> [M, N]
 
 
+def linear_families(k: int, threads: int, has_bias: bool) -> tuple[list[LinearOrder], dict[str, str]]:
+    """The candidate orders a linear of K inputs is read against, the cheapest family first, and the families not
+    tried on this CPU with why: torch's lanes (one order), the AMX chunk orders (only where this CPU runs AMX tiles:
+    an engine here cannot have run them), SGL's small-batch pairs from the bias (a linear with a bias: without one it
+    is the plain pairs order), the VDPBF16PS pairs orders."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    candidates = [LinearOrder.sequential(k, LinearKernel.LANES)]
+    not_tried: dict[str, str] = {}
+    if engine_kernels().cpu_has_amx():
+        candidates += candidate_orders(k, threads, LinearKernel.AMX_CHUNKS)
+    else:
+        not_tried[str(LinearKernel.AMX_CHUNKS)] = "this CPU has no AMX tiles: no engine here runs them"
+    if k % 2 == 0:
+        if has_bias:
+            candidates.append(LinearOrder.sequential(k, LinearKernel.PAIRS, bias_first=True))
+        candidates += candidate_orders(k, threads, LinearKernel.PAIRS)
+    else:
+        not_tried[str(LinearKernel.PAIRS)] = f"K = {k} is odd: the pairs kernels take whole K pairs"
+    return list(dict.fromkeys(candidates)), not_tried
+
+
+def _giving(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+            want: torch.Tensor) -> list[LinearOrder]:  # fmt: skip
+    """The orders that give every output ``want`` (output i = x_i . w_i + bias_i): the AMX chunk orders by folding the
+    outputs' chunk dots, the others output by output in C, on 2 outputs, then 16, then all (most fail on the first)."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    kernels = engine_kernels()
+    amx = [o for o in orders if o.kernel == LinearKernel.AMX_CHUNKS]
+    dots = kernels.chunk_dots(x, w) if amx else None
+    kept = []
+    for order in orders:
+        struct = order.struct()
+        if order.kernel == LinearKernel.AMX_CHUNKS:
+            assert dots is not None
+            if torch.equal(kernels.order_fold(dots, bias, struct), want):
+                kept.append(order)
+            continue
+        if all(torch.equal(kernels.product_fold(x[:n], w[:n], bias[:n] if bias is not None else None, struct), want[:n])
+               for n in (2, 16, x.shape[0])):  # fmt: skip
+            kept.append(order)
+    return kept
+
+
 def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, threads: int,
                       gen: torch.Generator) -> tuple[LinearOrder | None, dict[str, Any]]:  # fmt: skip
     """The order the engine's linear ``call`` sums in when it holds ``rows`` rows (contract/linear_order.py).
-    Trials of targeted inputs gather ``PROBE_OUTPUTS`` probed outputs; every candidate (the orders of the family,
-    the small-batch kernel) is computed for those outputs and kept when it gives all their bits; what is left is
-    then run whole (every output of the last trial) before one is returned. Orders that still agree are recorded."""
+    Trials of targeted inputs gather ``PROBE_OUTPUTS`` probed outputs; every candidate of every family this CPU's
+    engine can run (``linear_families``) is computed for those outputs and kept when it gives all their bits; what is
+    left is then run whole (every output of the last trial, by the kernel the training side runs) before one is
+    returned. Orders that still agree are recorded."""
     from fx_precision.contract.kernels import engine_kernels
 
     kernels = engine_kernels()
     n, k = weight.shape
     trials = max(3, min(MAX_TRIALS, -(-PROBE_OUTPUTS // rows)))
-    found: list[LinearOrder] = [*candidate_orders(k, threads)]
-    if k % 2 == 0 and n % 16 == 0 and kernels.cpu_has_avx512_bf16():
-        found.insert(0, LinearOrder(LinearKernel.PAIRS, (), (), bias_first=True))
+    found, not_tried = linear_families(k, threads, bias is not None)
     probed = 0
     last: tuple[torch.Tensor, torch.Tensor] | None = None
     for _ in range(PROBE_ROUNDS):  # a round of trials; another while two orders give every probed output
-        xs, dots, wants, cols = [], [], [], []
+        xs, wants, cols = [], [], []
         for trial in range(trials):
             x, targets = targeted_rows(weight, rows, trial, gen)
             got = call(x.clone())
             if tuple(got.shape) != (rows, n) or got.dtype != torch.bfloat16:
                 return None, {"why": f"the engine's call returned {tuple(got.shape)} {got.dtype} for {rows} rows of {k}: not a bf16 GEMM"}
-            dots.append(kernels.chunk_dots(x, weight[targets]))
             wants.append(got[torch.arange(rows), targets])
             xs.append(x)
             cols.append(targets)
             last = (x, got)
-        all_x, all_cols, all_dots, want = torch.cat(xs), torch.cat(cols), torch.cat(dots), torch.cat(wants)
+        all_x, all_cols, want = torch.cat(xs), torch.cat(cols), torch.cat(wants)
         picked_bias = bias.float()[all_cols] if bias is not None else None
         probed += int(want.numel())
-
-        pairs = any(o.kernel == LinearKernel.PAIRS for o in found)
-        pairs_give = pairs and torch.equal(kernels.pairs_fold(all_x, weight[all_cols], picked_bias), want)
-        found = [o for o in found if (pairs_give if o.kernel == LinearKernel.PAIRS else
-                                      torch.equal(kernels.order_fold(all_dots, picked_bias, o.struct()), want))]  # fmt: skip
+        found = _giving(found, all_x, weight[all_cols].contiguous(), picked_bias, want)
         if len(found) <= 1:
             break
     evidence: dict[str, Any] = {"rows": rows, "probed_outputs": probed, "candidates_left": len(found)}
+    if not_tried:
+        evidence["not tried"] = not_tried
     if not found or last is None:
-        return None, {**evidence, "why": "no order of the family gives the engine's bits"}
+        return None, {**evidence, "why": "no order of the families tried gives the engine's bits"}
     x, got = last
     with _all_threads():
         whole = [o for o in found[:2] if torch.equal(kernels.linear(x, weight, bias, o.struct()), got)]
@@ -353,11 +424,6 @@ def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tens
     shape share the calls' orders: each shape is read once per size. ``seen``: (N, K, rows) -> (name, order,
     evidence) read before on this engine (an order depends on the shape, the rows and the threads, not the weights'
     values), kept up to date: a run reads only the calls it is the first to make, and the contract holds them all."""
-    from fx_precision.contract.kernels import engine_kernels
-
-    if not engine_kernels().cpu_has_amx():
-        why = "this CPU has no AMX: the engine's GEMMs here are kernels the contract's order family does not hold"
-        return LinearOrders(threads), {"why": why, "unmatched": ["every linear"]}
     seen = {} if seen is None else seen
     for name, (call, weight, bias, logits) in calls.items():
         n, k = weight.shape

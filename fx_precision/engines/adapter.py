@@ -4,15 +4,19 @@ EngineAdapter                       one per engine (registered in fx_precision/e
 ├── name                            "vllm", "sglang", ...
 ├── start(cfg) -> EngineSession     a live engine on a checkpoint (live engines only)
 └── read_dump(path) -> Dump         an engine's own dump files as a dump (read-only adapters)
-EngineSession
-├── generate(prompts, params) -> Generation   sampled tokens, the log-prob of every prompt and sampled token,
+EngineSession                       one interface, in this process (an adapter's session) or in its own
+│                                   (engines/client.EngineProcess over engines/protocol.py)
+├── generate(SamplingRequest) -> Generation   sampled tokens, the log-prob of every prompt and sampled token,
 │                                             the engine's steps (rows of each forward) and logits calls
-├── record_modules(sequences) -> ModulePass   each sequence prefilled alone, every module's inputs and outputs
-│                                             under transformers FQNs, and that pass's steps
-├── probe(generation, ...) -> EngineContract  the op classes read off the engine's own ops (contract/probing.py)
-├── load_weights(named tensors)               the trainer's bf16 weights, in memory (the on-policy loop's sync)
+├── probe(generation, module_pass) -> EngineContract   the op classes read off the engine's own ops, at that
+│                                             generation's calls (contract/probing.py); out of process: the last one
+├── load_weights(named tensors) -> digest     the trainer's bf16 weights, in place (the on-policy loop's sync); the
+│                                             tensors_digest of what the engine now runs
 ├── describe() -> dict                        how it runs: version, build, ISA, threads, ... (the dump's ``engine``)
 └── close()
+LocalSession(EngineSession)         an adapter's session in this process, also
+└── record_modules(sequences) -> ModulePass   each sequence prefilled alone, every module's inputs and outputs
+                                              under transformers FQNs, and that pass's steps
 RolloutConfig                       what a rollout asks of any engine (knobs an engine lacks are refused by it)
 """
 
@@ -63,12 +67,12 @@ def check_sampling(temperature: float, samples: int) -> None:
 
 @dataclass(frozen=True)
 class SamplingRequest:
-    """One engine call: P prompts, each sampled ``samples`` times (GRPO's group), ``max_tokens`` each."""
+    """One engine call: P prompts, each sampled ``samples`` times (GRPO's group), ``max_tokens`` each, from the engine's
+    own generator (seeded once, when it starts: ``RolloutConfig.seed``), as users sample: no per-request seed."""
 
     prompts: tuple[tuple[int, ...], ...]
     max_tokens: int
     temperature: float = 1.0
-    seed: int = 0
     samples: int = 1
 
     def __post_init__(self) -> None:
@@ -104,15 +108,19 @@ class ModulePass:
 class EngineSession(Protocol):
     def generate(self, request: SamplingRequest) -> Generation: ...
 
-    def record_modules(self, sequences: Sequence[TokenSequence], temperature: float, seed: int) -> ModulePass: ...
+    def probe(self, generation: Generation, module_pass: ModulePass | None = None) -> EngineContract: ...
 
-    def probe(self, generation: Generation, module_pass: ModulePass | None) -> EngineContract: ...
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None: ...
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str: ...
 
     def describe(self) -> dict[str, Any]: ...
 
     def close(self) -> None: ...
+
+
+class LocalSession(EngineSession, Protocol):
+    config: Any  # the checkpoint's config
+
+    def record_modules(self, sequences: Sequence[TokenSequence], temperature: float) -> ModulePass: ...
 
 
 class EngineAdapter(Protocol):
@@ -121,6 +129,6 @@ class EngineAdapter(Protocol):
 
     def refuses(self, config: Any) -> str | None: ...  # why it cannot run a checkpoint of this config, before it starts
 
-    def start(self, cfg: RolloutConfig) -> EngineSession: ...
+    def start(self, cfg: RolloutConfig) -> LocalSession: ...
 
     def read_dump(self, path: str) -> Dump: ...

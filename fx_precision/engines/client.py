@@ -1,35 +1,46 @@
-"""The trainer's end of a live engine in its own process and environment (engines/serve.py).
+"""The trainer's end of a live engine in its own process and environment (engines/serve.py, engines/protocol.py).
 
     engine_python(explicit)            the engine environment's Python: --engine-python, $FXP_ENGINE_PYTHON,
                                        ./.venv-engine/bin/python, or this one where the engine imports
-    EngineProcess(python, cfg, log)    started, serving one checkpoint; its output goes to ``log``
-    ├── generate(prompts, samples, max_tokens, temperature, seed)  -> Generation (no sampled logits: they stay there)
-    ├── probe()                        -> EngineContract of the last generation (each new call read once)
-    ├── load_weights(file)             -> (seconds, digest): a safetensors file loaded in place
-    └── close()
+    EngineProcess(python, cfg, log, timeouts)     started, serving one checkpoint; its output goes to ``log``. The same
+    │                                  interface as an in-process session (engines/adapter.py EngineSession):
+    ├── generate(SamplingRequest)      -> Generation (its sampled logits stay in the engine: the probe's evidence)
+    ├── probe(generation)              -> EngineContract of that generation, the last one (each new call read once)
+    ├── load_weights(named tensors)    -> digest: written to a memory-backed file this process owns, loaded in place
+    ├── dump_last(path, ...)           the last generation as an engine dump (what fx-precision rollout writes)
+    ├── describe()                     how the engine runs
+    └── close()                        the engine stopped, its weights file removed (also on every failure)
 
-An engine that dies is one PrecisionError naming the request, its exit status and the last line of its log.
+Every call has a time limit derived from what it is (``EngineTimeouts``): an engine that does not answer in time
+(stalled, stopped with SIGSTOP, deadlocked) is killed and the call is one PrecisionError naming it; an engine that
+dies is one PrecisionError naming the call, its exit status and the last line of its log. The engine runs in its own
+session (a terminal's Ctrl-C reaches the trainer, which stops it) and dies with the process that started it.
 """
 
 from __future__ import annotations
 
 import importlib.util
-import json
 import os
+import select
+import signal
 import subprocess
 import sys
-from dataclasses import asdict
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
 import torch
 
 from fx_precision.contract import EngineContract
-from fx_precision.dump import Sequence as TokenSequence
-from fx_precision.engines.adapter import Generation, RolloutConfig
+from fx_precision.engines import protocol
+from fx_precision.engines.adapter import Generation, RolloutConfig, SamplingRequest
 from fx_precision.errors import PrecisionError
 
 ENGINE_ENV_DIR = ".venv-engine"  # where python -m fx_precision.tools.engine_env puts it by default
+DEFAULT_TIMEOUT = 300.0  # seconds: the base of every engine call's limit (--engine-timeout)
+START = 600.0  # seconds an engine has to start at least (vLLM imports, loads and compiles)
 
 
 def engine_python(explicit: str | None = None) -> str:
@@ -50,78 +61,163 @@ def engine_python(explicit: str | None = None) -> str:
     )
 
 
+@dataclass(frozen=True)
+class EngineTimeouts:
+    """Each engine call's time limit in seconds, from ``base`` (--engine-timeout): probing and dumping take ``slow`` times
+    the base, starting (imports, loading, the first compile) that and at least ``START`` seconds; a generation the
+    base plus ``per_token`` seconds for every token it prefills or samples; closing a minute."""
+
+    base: float = DEFAULT_TIMEOUT
+    slow: float = 4.0
+    per_token: float = 0.05
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.base, (int, float)) and 1.0 <= float(self.base) <= 86400.0):
+            raise PrecisionError(f"--engine-timeout {self.base!r}: seconds between 1 and 86400")
+
+    def of(self, request: protocol.Message) -> float:
+        if isinstance(request, protocol.Generate):
+            tokens = sum(len(p) + request.max_tokens for p in request.prompts) * max(1, request.samples)
+            return self.base + self.per_token * tokens
+        if isinstance(request, protocol.Start):
+            return max(START, self.base * self.slow)
+        if isinstance(request, (protocol.Probe, protocol.DumpLast)):
+            return self.base * self.slow
+        if isinstance(request, protocol.Close):
+            return 60.0
+        return self.base
+
+
 class EngineProcess:
     """A live engine in its own process (module docstring)."""
 
-    def __init__(self, python: str, cfg: RolloutConfig, log: Path) -> None:
+    def __init__(self, python: str, cfg: RolloutConfig, log: Path, timeouts: EngineTimeouts | None = None,
+                 weights_dir: Path | None = None) -> None:  # fmt: skip
+        from fx_precision.engines.weights_file import memory_backed_dir, remove_stale, weights_file_name
+
         self.log = log
+        self.timeouts = timeouts or EngineTimeouts()
+        directory = weights_dir or memory_backed_dir()[0]
+        remove_stale(directory)  # what a killed run left there (its owner is gone)
+        self.weights_file = directory / weights_file_name()
+        self._last: Generation | None = None
+        self._buffer = b""
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file: IO[str] = log.open("a")
         env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [python, "-m", "fx_precision.engines.serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-            text=True, env=env,
+            env=env, start_new_session=True,  # a terminal's Ctrl-C reaches the trainer, which stops the engine in order
         )  # fmt: skip
-        config = asdict(cfg)
-        config["prompts"] = [list(p) for p in cfg.prompts]
         try:
-            self.info: dict[str, Any] = self.request("start", config=config)["info"]
+            started = self._call(protocol.Start.of(cfg))
+            assert isinstance(started, protocol.Started)
+            self.info: dict[str, Any] = started.info
         except BaseException:
             self.close()
             raise
 
-    def request(self, op: str, **fields: Any) -> dict[str, Any]:
+    def _call(self, request: protocol.Message) -> protocol.Message:
         if self.proc.stdin is None or self.proc.stdout is None or self.proc.poll() is not None:
-            raise self._died(op)
+            raise self._died(request.op)
         try:
-            self.proc.stdin.write(json.dumps({"op": op, **fields}) + "\n")
+            self.proc.stdin.write(protocol.encode(request).encode())
             self.proc.stdin.flush()
-            line = self.proc.stdout.readline()
         except (BrokenPipeError, OSError):
-            raise self._died(op) from None
+            raise self._died(request.op) from None
+        limit = self.timeouts.of(request)
+        line = self._read_line(time.monotonic() + limit)
+        if line is None:
+            self._kill()
+            raise PrecisionError(
+                f"the engine did not answer {request.op} within {limit:.0f} s (stalled, stopped or deadlocked) and was stopped; its "
+                f"log is {self.log}. A slower machine or model needs a longer --engine-timeout (now {self.timeouts.base:.0f} s)"
+            )
         if not line:
-            raise self._died(op)
-        reply: dict[str, Any] = json.loads(line)
-        if "error" in reply:
-            raise PrecisionError(f"engine ({op}): {reply['error']}")
-        return reply
+            raise self._died(request.op)
+        return protocol.decode_reply(request, line)
+
+    def _read_line(self, deadline: float) -> str | None:
+        """The next reply line; "" at the end of the stream (the engine exited), None past ``deadline``."""
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        while b"\n" not in self._buffer:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return None
+            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
+            if not ready:
+                continue
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                return ""
+            self._buffer += chunk
+        line, self._buffer = self._buffer.split(b"\n", 1)
+        return line.decode()
 
     def _died(self, op: str) -> PrecisionError:
-        code = self.proc.wait(timeout=30) if self.proc.poll() is None else self.proc.returncode
+        try:
+            code = self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self._kill()
+            code = self.proc.returncode
         self._log_file.flush()
         lines = [line for line in self.log.read_text(errors="replace").splitlines() if line.strip()] if self.log.exists() else []
         last = lines[-1][:300] if lines else "(no output)"
-        return PrecisionError(f"the engine process died during {op} (exit {code}): {last}; its log is {self.log}")
+        how = f"killed by {signal.Signals(-code).name}" if code is not None and code < 0 else f"exit {code}"
+        return PrecisionError(f"the engine process died during {op} ({how}): {last}; its log is {self.log}")
 
-    def generate(self, prompts: list[tuple[int, ...]], samples: int, max_tokens: int, temperature: float, seed: int) -> Generation:
-        got = self.request("generate", prompts=[list(p) for p in prompts], samples=samples, max_tokens=max_tokens,
-                           temperature=temperature, seed=seed)  # fmt: skip
-        sequences = [TokenSequence(tuple(int(t) for t in tokens), int(prompt_len)) for tokens, prompt_len in got["sequences"]]
-        logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in got["logprobs"]]
-        steps = [[(int(p), int(t)) for p, t in rows] for rows in got["steps"]]
-        calls = [(int(a), int(b)) for a, b in got["logits_calls"]]
-        return Generation(sequences, logprobs, steps, calls, float(got["seconds"]), got.get("extra") or {}, None, temperature)
+    def _kill(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()  # SIGKILL reaches a stopped (SIGSTOP) process too
+        self.proc.wait()
 
-    def probe(self) -> tuple[EngineContract, float]:
-        got = self.request("probe")
-        self.info = got.get("info", self.info)
-        contract = EngineContract.from_dict(got["contract"])
+    def generate(self, request: SamplingRequest) -> Generation:
+        reply = self._call(protocol.Generate.of(request))
+        assert isinstance(reply, protocol.Generated)
+        self._last = reply.generation()
+        return self._last
+
+    def probe(self, generation: Generation, module_pass: Any = None) -> EngineContract:
+        """The contract of ``generation``, which must be this engine's last (the probe reads its calls there)."""
+        if generation is not self._last or module_pass is not None:
+            raise PrecisionError("EngineProcess.probe reads the engine's last generation, without a module pass: pass that one")
+        reply = self._call(protocol.Probe())
+        assert isinstance(reply, protocol.Probed)
+        self.info = reply.info
+        contract = EngineContract.from_dict(reply.contract)
         contract.check_evidence()
-        return contract, float(got["seconds"])
+        return contract
 
-    def load_weights(self, file: Path) -> tuple[float, str]:
-        got = self.request("load_weights", path=str(file))
-        return float(got["seconds"]), str(got["digest"])
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
+        """``weights`` (checkpoint names, bf16) loaded by the engine in place, through a memory-backed file this process
+        owns and removes at close; returns the engine's digest of what it loaded."""
+        from fx_precision.engines.weights_file import write_weights
+
+        write_weights(dict(weights), self.weights_file)
+        reply = self._call(protocol.LoadWeights(str(self.weights_file)))
+        assert isinstance(reply, protocol.WeightsLoaded)
+        return reply.digest
+
+    def dump_last(self, path: str, *, modules: bool = False, seed: int = 0, samples: int = 1, probe: bool = True) -> None:
+        """The last generation as an engine dump at ``path`` (module records and the contract where asked)."""
+        self._call(protocol.DumpLast(path, modules, seed, samples, probe))
+
+    def describe(self) -> dict[str, Any]:
+        return dict(self.info)
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                self.request("close")
-                self.proc.wait(timeout=60)
-            except (PrecisionError, subprocess.TimeoutExpired, OSError, ValueError):
-                self.proc.kill()
-                self.proc.wait()
-        self._log_file.close()
+        """The engine stopped (asked, then killed) and its weights file removed, whatever state it is in."""
+        try:
+            if self.proc.poll() is None:
+                try:
+                    self._call(protocol.Close())
+                    self.proc.wait(timeout=60)
+                except (PrecisionError, subprocess.TimeoutExpired, OSError, ValueError):
+                    self._kill()
+        finally:
+            self.weights_file.unlink(missing_ok=True)
+            self._log_file.close()
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -30,11 +30,11 @@ def _architecture(config: object) -> str:
     return str(names[0]) if names else type(config).__name__.replace("Config", "ForCausalLM")
 
 
-def rollout_prompts(model: str, prompts_file: str | None, lengths: Sequence[int], seed: int, max_tokens: int, engine: str) -> tuple[
-        tuple[int, ...], ...]:  # fmt: skip
+def rollout_prompts(model: str, prompts_file: str | None, lengths: Sequence[int], seed: int, max_tokens: int, engine: str,
+                    isa: str = "auto") -> tuple[tuple[int, ...], ...]:  # fmt: skip
     """The prompts of a rollout (a file's, or synthetic ones of ``lengths``), checked against the checkpoint and the engine
     before it starts: the engine runs the checkpoint's architecture (``refuses``), its weights are its config's, ids in
-    the vocabulary, lengths the engine build survives (its ``min_prompt_tokens``), prompt plus sampled tokens within its
+    the vocabulary, lengths the engine survives as the CPU family it runs as (``min_prompt_tokens``), prompt plus sampled tokens within its
     positions."""
     cc = read_checkpoint_config(model)
     adapter = engine_adapter(engine)
@@ -45,23 +45,29 @@ def rollout_prompts(model: str, prompts_file: str | None, lengths: Sequence[int]
     vocab = int(cc.config.vocab_size)
     prompts = read_prompts(prompts_file) if prompts_file else synthetic_prompts(vocab, lengths, seed)
     positions = min(int(getattr(cc.config, "max_position_embeddings", 2048) or 2048), MAX_POSITIONS)
-    check_prompts(prompts, vocab, positions, max_tokens, model, min_len=int(getattr(adapter, "min_prompt_tokens", 1)))
+    check_prompts(prompts, vocab, positions, max_tokens, model, min_len=min_prompt_tokens(adapter, isa))
     return prompts
+
+
+def min_prompt_tokens(adapter: Any, isa: str = "auto") -> int:
+    """The shortest prompt ``adapter``'s engine survives (1 where it says nothing)."""
+    found = getattr(adapter, "min_prompt_tokens", None)
+    return int(found(isa)) if callable(found) else 1
 
 
 def run_rollout(cfg: RolloutConfig) -> Dump:
     """Start the engine, generate with log-probs, optionally record module outputs, probe its arithmetic (module docstring)."""
     session = engine_adapter(cfg.engine).start(cfg)
     try:
-        generation = session.generate(SamplingRequest(cfg.prompts, cfg.max_tokens, cfg.temperature, cfg.seed, cfg.samples))
-        module_pass = session.record_modules(generation.sequences, cfg.temperature, cfg.seed) if cfg.modules else None
+        generation = session.generate(SamplingRequest(cfg.prompts, cfg.max_tokens, cfg.temperature, cfg.samples))
+        module_pass = session.record_modules(generation.sequences, cfg.temperature) if cfg.modules else None
         contract = session.probe(generation, module_pass)
         return engine_dump(session.config, session.describe(), generation, module_pass, contract, cfg.seed, cfg.samples)
     finally:
         session.close()
 
 
-def engine_dump(config: Any, info: dict[str, Any], generation: Generation, module_pass: ModulePass | None, contract: EngineContract,
+def engine_dump(config: Any, info: dict[str, Any], generation: Generation, module_pass: ModulePass | None, contract: EngineContract | None,
                 seed: int, samples: int) -> Dump:  # fmt: skip
     """One generation as an engine dump: its sequences and log-prob records, the module records of ``module_pass``,
     ``engine`` (how it ran: ``info``, its steps and logits calls, the module pass's) and ``contract``."""
@@ -85,5 +91,5 @@ def engine_dump(config: Any, info: dict[str, Any], generation: Generation, modul
     if module_pass is not None:
         dump.records.extend(module_pass.records)
         dump.calls.extend(module_pass.calls)
-    dump.contract = contract.to_dict()
+    dump.contract = contract.to_dict() if contract is not None else None
     return dump

@@ -2,33 +2,20 @@
 
     python -m fx_precision.engines.serve          (in the engine's environment; engines/client.py starts it)
 
-    request (one JSON line on stdin)                                  reply (one JSON line)
-    {"op": "start", "config": {RolloutConfig fields}}                {"info": how the engine runs}
-    {"op": "generate", "prompts", "samples", "max_tokens",           {"sequences": [[tokens, prompt_len]], "logprobs",
-     "temperature", "seed"}                                            "steps", "logits_calls", "seconds"}
-    {"op": "probe"}                                                   {"contract": EngineContract.to_dict()} of the last
-                                                                        generation (only its new calls are read)
-    {"op": "dump", "path", "modules", "seed", "samples"}              {"path"}: the last generation as an engine dump (what
-                                                                        fx-precision rollout writes), module records on request
-    {"op": "load_weights", "path": FILE}                              {"seconds", "digest"}: a safetensors file (memory-
-                                                                        backed: /dev/shm) loaded in place, and the
-                                                                        tensors_digest of what was loaded
-    {"op": "close"}                                                   {} and the process exits
-
-A failure is ``{"error": one line}`` and the server goes on. Replies go to the process's original stdout; anything
-else the engine prints goes to stderr (the client's log file), so the protocol stream holds replies only. Log-probs
-travel as JSON numbers (fp32 values, exactly: a double's shortest repr round-trips).
+Each request is one line of ``engines/protocol.py`` (start, generate, probe, dump, load_weights, close) and gets one
+reply line of the same schema. A failure is ``{"error": one line}`` and the server goes on. Replies go to the process's
+original stdout; anything else the engine prints goes to stderr (the client's log file), so the protocol stream holds
+replies only. The server dies with its parent (a parent-death signal, set at start): no engine outlives its trainer.
 """
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import time
-from dataclasses import fields
 from typing import Any, TextIO
 
+from fx_precision.engines import protocol
 from fx_precision.errors import PrecisionError
 
 
@@ -39,91 +26,62 @@ class EngineServer:
         self.session: Any = None
         self.generation: Any = None
 
-    def handle(self, request: dict[str, Any]) -> dict[str, Any]:
-        op = request.get("op")
-        handler = getattr(self, f"op_{op}", None) if isinstance(op, str) else None
-        if handler is None:
-            raise PrecisionError(f"engine server: unknown op {op!r}")
-        if op != "start" and self.session is None:
-            raise PrecisionError(f"engine server: {op} before start")
-        result: dict[str, Any] = handler(request)
-        return result
+    def handle(self, request: protocol.Message) -> protocol.Message:
+        if not isinstance(request, protocol.Start) and self.session is None:
+            raise PrecisionError(f"engine server: {request.op} before start")
+        handler = getattr(self, f"op_{request.op}")
+        reply: protocol.Message = handler(request)
+        return reply
 
-    def op_start(self, request: dict[str, Any]) -> dict[str, Any]:
+    def op_start(self, request: protocol.Start) -> protocol.Started:
         from fx_precision.checkpoints import read_checkpoint_config
         from fx_precision.engines import engine_adapter
-        from fx_precision.engines.adapter import RolloutConfig
 
-        known = {f.name for f in fields(RolloutConfig)}
-        config = dict(request.get("config") or {})
-        unknown = sorted(set(config) - known)
-        if unknown:
-            raise PrecisionError(f"engine server: unknown config field(s) {unknown}")
-        config["prompts"] = tuple(tuple(p) for p in config.get("prompts", ()))
-        cfg = RolloutConfig(**config)
+        cfg = request.rollout_config()
         adapter = engine_adapter(cfg.engine)
         refused = adapter.refuses(read_checkpoint_config(cfg.model).config)
         if refused:
             raise PrecisionError(f"--model {cfg.model}: {refused}")
         self.session = adapter.start(cfg)
-        return {"info": self.session.describe()}
+        return protocol.Started(self.session.describe())
 
-    def op_generate(self, request: dict[str, Any]) -> dict[str, Any]:
-        from fx_precision.engines.adapter import SamplingRequest
+    def op_generate(self, request: protocol.Generate) -> protocol.Generated:
+        self.generation = self.session.generate(request.sampling())
+        return protocol.Generated.of(self.generation)
 
-        prompts = tuple(tuple(int(t) for t in p) for p in request["prompts"])
-        sampling = SamplingRequest(prompts, int(request["max_tokens"]), float(request["temperature"]), int(request["seed"]),
-                                   int(request.get("samples", 1)))  # fmt: skip
-        self.generation = self.session.generate(sampling)
-        g = self.generation
-        return {
-            "sequences": [[list(s.tokens), s.prompt_len] for s in g.sequences],
-            "logprobs": [lp.tolist() for lp in g.logprobs],
-            "steps": g.steps,
-            "logits_calls": g.logits_calls,
-            "seconds": g.seconds,
-            "extra": g.extra,
-        }
-
-    def op_probe(self, request: dict[str, Any]) -> dict[str, Any]:
+    def op_probe(self, request: protocol.Probe) -> protocol.Probed:
         if self.generation is None:
             raise PrecisionError("engine server: probe before a generate (the probe reads the run's own calls)")
         started = time.perf_counter()
         contract = self.session.probe(self.generation, None)
-        return {"contract": contract.to_dict(), "seconds": time.perf_counter() - started, "info": self.session.describe()}
+        return protocol.Probed(contract.to_dict(), time.perf_counter() - started, self.session.describe())
 
-    def op_dump(self, request: dict[str, Any]) -> dict[str, Any]:
+    def op_dump(self, request: protocol.DumpLast) -> protocol.Dumped:
         """The last generation as an engine dump at ``path`` (with ``modules``: every module's inputs and outputs of
-        each sequence prefilled alone), probed: what ``fx-precision rollout`` writes."""
+        each sequence prefilled alone), probed where asked: what ``fx-precision rollout`` writes."""
         from fx_precision.engines.rollout import engine_dump
 
         if self.generation is None:
             raise PrecisionError("engine server: dump before a generate")
         g = self.generation
-        module_pass = (
-            self.session.record_modules(g.sequences, g.temperature, int(request.get("seed", 0))) if request.get("modules") else None
-        )
-        contract = self.session.probe(g, module_pass)
-        dump = engine_dump(self.session.config, self.session.describe(), g, module_pass, contract, int(request.get("seed", 0)),
-                           int(request.get("samples", 1)))  # fmt: skip
-        dump.save(str(request["path"]), overwrite=bool(request.get("overwrite", False)))
-        return {"path": str(request["path"])}
+        module_pass = self.session.record_modules(g.sequences, g.temperature) if request.modules else None
+        contract = self.session.probe(g, module_pass) if request.probe else None
+        dump = engine_dump(self.session.config, self.session.describe(), g, module_pass, contract, request.seed, request.samples)
+        dump.save(request.path)
+        return protocol.Dumped(request.path)
 
-    def op_load_weights(self, request: dict[str, Any]) -> dict[str, Any]:
+    def op_load_weights(self, request: protocol.LoadWeights) -> protocol.WeightsLoaded:
         from safetensors.torch import load_file
 
-        from fx_precision.checkpoints import tensors_digest
-
         started = time.perf_counter()
-        weights = load_file(str(request["path"]))
-        self.session.load_weights(weights.items())
-        return {"seconds": time.perf_counter() - started, "digest": tensors_digest(weights.items())}
+        digest = self.session.load_weights(load_file(request.path).items())
+        return protocol.WeightsLoaded(time.perf_counter() - started, digest)
 
-    def op_close(self, request: dict[str, Any]) -> dict[str, Any]:
+    def op_close(self, request: protocol.Close) -> protocol.Closed:
         if self.session is not None:
             self.session.close()
         self.session = None
-        return {}
+        return protocol.Closed()
 
 
 def _one_line(exc: BaseException) -> str:
@@ -137,20 +95,24 @@ def serve(requests: TextIO, replies: TextIO) -> None:
     for line in requests:
         if not line.strip():
             continue
+        request: protocol.Message | None = None
         try:
-            request = json.loads(line)
-            reply = server.handle(request)
+            request = protocol.decode_request(line)
+            reply: protocol.Message | dict[str, str] = server.handle(request)
         except PrecisionError as exc:
-            request, reply = {}, {"error": str(exc)}
+            reply = {"error": str(exc)}
         except Exception as exc:  # the engine's own failure: one line, the server goes on
-            request, reply = {}, {"error": f"{type(exc).__name__}: {_one_line(exc)}"}
-        replies.write(json.dumps(reply) + "\n")  # -inf log-probs travel as -Infinity (Python's JSON)
+            reply = {"error": f"{type(exc).__name__}: {_one_line(exc)}"}
+        replies.write(protocol.encode(reply))
         replies.flush()
-        if request.get("op") == "close":
+        if isinstance(request, protocol.Close):
             return
 
 
 def main() -> None:
+    from fx_precision.lifetime import die_with_parent
+
+    die_with_parent()
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol stream: replies only
     os.dup2(2, 1)  # whatever else is printed (the engine's own output, C code included) goes to the log
     sys.stdout = sys.stderr

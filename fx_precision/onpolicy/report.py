@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from fx_precision.errors import PrecisionError
-from fx_precision.onpolicy.loop import OnPolicyRun
+from fx_precision.onpolicy.metrics import OnPolicyRun
 
 
 def table(run: OnPolicyRun) -> str:
@@ -34,9 +34,12 @@ def summary_line(run: OnPolicyRun) -> str:
 
 
 def check_plot_path(file: str | Path) -> Path:
-    """A plot is a PNG: refused before the run that would draw it."""
+    """A plot is a PNG in a directory that exists: refused before the run that would draw it (nothing is created)."""
     if Path(file).suffix.lower() != ".png":
         raise PrecisionError(f"--plot {file}: a .png file (the plot is written as PNG); name it PLOT.png")
+    parent = Path(file).parent
+    if not parent.is_dir():
+        raise PrecisionError(f"--plot {file}: {parent} is not a directory; create it or write the plot elsewhere")
     return Path(file)
 
 
@@ -68,7 +71,6 @@ def plot(runs: Sequence[tuple[str, OnPolicyRun]], file: str | Path) -> Path:
         figure.suptitle(f"on-policy RL: G={c.get('samples')}, T={c.get('temperature')}, FSDP2 x{c.get('world_size')}", fontsize=10)
     figure.tight_layout()
     tmp = target.with_name(f".{target.name}.writing")
-    target.parent.mkdir(parents=True, exist_ok=True)
     figure.savefig(tmp, format="png", dpi=110)
     plt.close(figure)
     tmp.replace(target)

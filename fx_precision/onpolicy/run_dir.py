@@ -1,6 +1,7 @@
 """The on-policy run's directory: always the last complete step, never a half-written one.
 
     DIR/
+    ├── .run.lock                  held (flock) by the run that writes DIR, for as long as it runs: one run per DIR
     ├── last -> steps/NNNN         a symlink, swapped in one rename once step NNNN is whole
     ├── steps/NNNN/checkpoint/     the bf16 weights the engine ran at that step (safetensors + config.json)
     ├── steps/NNNN/rollout/        that step's rollout, an engine dump (compare --model .../checkpoint --rollout ... works)
@@ -9,41 +10,94 @@
     └── plot.png                   reward and mismatch per step (--plot)
 
 A step is written to ``steps/.NNNN.writing-PID`` first; a run stopped at any point leaves ``last`` at the last
-complete step (older steps are removed once the link has moved).
+complete step (older steps are removed once the link has moved); what a killed writer left half-written is removed
+when its run ends (``remove_partial``) or by the next run in DIR. ``--overwrite`` replaces an earlier run, never a live
+one: the lock says which.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import os
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
+import torch
+
+from fx_precision.errors import PrecisionError
 from fx_precision.out_dirs import check_out_dir
 
-CHECKPOINT_FILES = ("config.json", "generation_config.json")  # what a checkpoint directory carries besides its weights
+CHECKPOINT_FILES = ("config.json", "generation_config.json")
+LOCK = ".run.lock"  # what a checkpoint directory carries besides its weights
 
 
 def is_run_dir(root: Path) -> bool:
-    return (root / "metrics.json").exists() or (root / "steps").is_dir()
+    """DIR of an on-policy run (a finished one, a running one, or one that completed no step: its lock and log)."""
+    return any((root / name).exists() for name in ("metrics.json", "steps", LOCK, "engine.log"))
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path, ignore_errors=True)
+    else:
+        path.unlink(missing_ok=True)
 
 
 class RunDir:
     """DIR of one on-policy run (module docstring)."""
 
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, lock: IO[str] | None = None) -> None:
         self.root = root
+        self._lock = lock
 
     @classmethod
     def create(cls, out: str | os.PathLike[str], *, overwrite: bool, sources: tuple[str, ...]) -> RunDir:
-        """``out`` checked (never a source, inside one or holding one; an earlier run only with ``overwrite``) and
-        made empty with its ``steps/``."""
-        root = Path(check_out_dir(out, kind="on-policy run", overwrite=overwrite, replaceable=is_run_dir, sources=sources))
-        if root.exists() and any(root.iterdir()):
-            shutil.rmtree(root)  # check_out_dir allowed it: an earlier run, replaced with --overwrite
-        (root / "steps").mkdir(parents=True, exist_ok=True)
-        return cls(root)
+        """``out`` checked (never a source, inside one or holding one; an earlier run only with ``overwrite``, never a
+        live one), locked for this run, and made empty but for the lock, with its ``steps/``."""
+        unfinished = Path(out).is_dir() and is_run_dir(Path(out)) and not (Path(out) / "last").is_symlink()
+        root = Path(check_out_dir(out, kind="on-policy run", overwrite=overwrite or unfinished, replaceable=is_run_dir,
+                                  sources=sources))  # fmt: skip
+        root.mkdir(parents=True, exist_ok=True)
+        lock = (root / LOCK).open("a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.seek(0)
+            holder = lock.read().strip() or "?"
+            lock.close()
+            raise PrecisionError(
+                f"--out {out}: a live on-policy run (pid {holder}) is writing it; wait for it to end (or stop it), or pick another "
+                "path. --overwrite replaces a finished run, never a running one"
+            ) from None
+        lock.seek(0)
+        lock.truncate()
+        lock.write(str(os.getpid()))
+        lock.flush()
+        for entry in list(root.iterdir()):  # an earlier run, replaced with --overwrite (check_out_dir allowed it); the lock stays
+            if entry.name != LOCK:
+                _remove(entry)
+        (root / "steps").mkdir()
+        return cls(root, lock)
+
+    def release(self) -> None:
+        """The run is over: what a killed writer left half-written removed (where no step completed, everything but the
+        engine's log: a run that never got going leaves what says why, and the next run takes DIR without
+        --overwrite), and the lock released."""
+        self.remove_partial()
+        if not self.last.is_symlink():  # no step completed (the engine did not start, the first step failed): only its log stays
+            for entry in list(self.root.iterdir()):
+                if entry.name not in (LOCK, "engine.log"):
+                    _remove(entry)
+        if self._lock is not None:
+            self._lock.close()
+            self._lock = None
+
+    def remove_partial(self) -> None:
+        """Staging directories and temporary files of writers that did not finish (a rank killed while saving)."""
+        for path in [*(self.root / "steps").glob(".*.writing-*"), *self.root.glob(".last.*"), *self.root.glob(".metrics.json.*")]:
+            _remove(path)
 
     @property
     def engine_log(self) -> Path:
@@ -59,11 +113,13 @@ class RunDir:
         path.mkdir(parents=True)
         return path
 
-    def write_checkpoint(self, staging: Path, weights_file: Path, source_checkpoint: str) -> Path:
-        """``staging/checkpoint``: the synced weights file and the source checkpoint's config."""
+    def write_checkpoint(self, staging: Path, weights: dict[str, torch.Tensor], source_checkpoint: str) -> Path:
+        """``staging/checkpoint``: the synced weights and the source checkpoint's config."""
+        from fx_precision.engines.weights_file import write_weights
+
         target = staging / "checkpoint"
         target.mkdir()
-        shutil.copyfile(weights_file, target / "model.safetensors")
+        write_weights(weights, target / "model.safetensors")
         source = Path(source_checkpoint)
         for name in CHECKPOINT_FILES:
             if (source / name).is_file():
@@ -90,13 +146,3 @@ class RunDir:
         tmp = self.root / f".metrics.json.{os.getpid()}"
         tmp.write_text(json.dumps(data, indent=1))
         os.replace(tmp, self.root / "metrics.json")
-
-
-def memory_backed_dir() -> tuple[Path, bool]:
-    """Where synced weights are written: /dev/shm (memory-backed) where it is writable, else the temp directory."""
-    import tempfile
-
-    shm = Path("/dev/shm")
-    if shm.is_dir() and os.access(shm, os.W_OK):
-        return shm, True
-    return Path(tempfile.gettempdir()), False

@@ -5,7 +5,6 @@
                                       what FSDP2's bf16 gather computes for the training forward too
     checkpoint_bf16_weights(path, names)  the same of a checkpoint's stored tensors (the masters before any update are
                                       its values: what step 0 of the loop sends without a gather)
-    write_weights(weights, file)      one safetensors file (memory-backed where it can be): what the engine loads
 
 Names are the checkpoint's (its safetensors keys): a tied output projection stored once is sent once.
 """
@@ -13,7 +12,6 @@ Names are the checkpoint's (its safetensors keys): a tied output projection stor
 from __future__ import annotations
 
 from collections.abc import Sequence
-from pathlib import Path
 
 import torch
 from torch import nn
@@ -56,17 +54,3 @@ def checkpoint_bf16_weights(path: str, names: Sequence[str]) -> dict[str, torch.
         with safe_open(str(files[name]), framework="pt") as handle:
             out[name] = handle.get_tensor(name).to(torch.bfloat16).contiguous()
     return out
-
-
-def write_weights(weights: dict[str, torch.Tensor], file: Path) -> None:
-    """``weights`` as one safetensors file, written beside ``file`` and renamed into place."""
-    from safetensors.torch import save_file
-
-    tmp = file.with_name(f".{file.name}.writing")
-    save_file({n: t.clone() if _shares_storage(t, weights, n) else t for n, t in weights.items()}, str(tmp))
-    tmp.replace(file)
-
-
-def _shares_storage(tensor: torch.Tensor, weights: dict[str, torch.Tensor], name: str) -> bool:
-    """safetensors refuses tensors that share memory: a tied weight sent under two names is cloned for the second."""
-    return any(other is tensor and n < name for n, other in weights.items())

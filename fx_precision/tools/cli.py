@@ -32,9 +32,11 @@ import os
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fx_precision.engines import live_engines
+from fx_precision.engines.vllm.cpu_family import ISA_CHOICES
 from fx_precision.errors import PrecisionError, precision_error_in
 from fx_precision.tools.zoo import MODEL_HELP
 
@@ -128,12 +130,23 @@ def _add_out_args(p: argparse.ArgumentParser, what: str) -> None:
     p.add_argument("--overwrite", action="store_true", help=f"replace {article} {what} already at --out, whole")
 
 
+def _json_target(text: str) -> str:
+    """--json FILE: a file in a writable directory, checked before the command runs (not after a long run)."""
+    parent = Path(text).expanduser().resolve().parent
+    if Path(text).is_dir():
+        raise argparse.ArgumentTypeError(f"{text} is a directory; name the JSON file to write")
+    if not parent.is_dir() or not os.access(parent, os.W_OK):
+        raise argparse.ArgumentTypeError(f"{parent} is not a writable directory; pick a path you can write to")
+    return text
+
+
 def _add_json_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--json",
         nargs="?",
         const=STDOUT,
         default=None,
+        type=_json_target,
         metavar="FILE",
         help="--json: print JSON instead of the table; --json FILE: write JSON to FILE and print the table",
     )
@@ -655,14 +668,29 @@ def _prompt_lengths(text: str) -> list[int]:
     return lengths
 
 
+def _start_as_family(isa: str) -> None:
+    """Where ``--isa`` needs a variable oneDNN reads once, at its first use, and this process lacks it, run this command
+    again in a process that has it from its start (cpu_family.py)."""
+    from fx_precision.engines.vllm.cpu_family import family_settings
+
+    missing = {k: v for k, v in family_settings(isa).environment().items() if os.environ.get(k) != v}
+    if missing:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os.execve(sys.executable, [sys.executable, "-m", "fx_precision", *Parser.argv], {**os.environ, **missing})
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
+    import torch
+
     from fx_precision.contract import EngineContract
     from fx_precision.dump import check_out_path
     from fx_precision.engines.adapter import RolloutConfig
     from fx_precision.engines.rollout import rollout_prompts, run_rollout
 
     check_out_path(args.out, overwrite=args.overwrite, sources=[args.model])  # before the engine starts
-    prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine)
+    _start_as_family(args.isa)
+    prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine, args.isa)
     cfg = RolloutConfig(
         model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
         samples=args.samples, temperature=args.temperature, logprobs=args.logprobs, threads=args.threads, custom_ops=args.custom_ops,
@@ -673,17 +701,27 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     contract = EngineContract.from_dict(dump.contract)
     engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls", "module_steps", "module_logits_calls")}
     sequences = [{"prompt_len": s.prompt_len, "tokens": len(s.tokens)} for s in dump.sequences]
-    data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences}
+    values = [r.tensor for r in dump.logprob_records() if r.tensor is not None]
+    non_finite = sum(int((~torch.isfinite(v)).sum()) for v in values)
+    total = sum(int(v.numel()) for v in values)
+    data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences, "non_finite_logprobs": non_finite}
     matched = contract.evidence.get("matched", {})
+    warning = ""
+    if non_finite:
+        from fx_precision.checkpoints import non_finite_tensors
+
+        bad = non_finite_tensors(args.model)
+        why = f"the checkpoint holds NaN or Inf weights ({', '.join(n for n, _, _ in bad[:3])})" if bad else "the weights are finite"
+        warning = f"\nNOT USABLE: {non_finite} of {total} log-probs are NaN or Inf ({why}); nothing here is a policy's log-prob"
     _emit(
         args,
         data,
         lambda: (
             f"wrote {args.out}: {len(dump.sequences)} sequence(s) from {dump.source}\ncontract: {contract.describe()}\n"
-            f"probes matched: {', '.join(f'{k} {v}' for k, v in matched.items())}"
+            f"probes matched: {', '.join(f'{k} {v}' for k, v in matched.items())}{warning}"
         ),
     )
-    return 0
+    return 1 if non_finite else 0
 
 
 def _rollout_parser(sub: Any) -> None:
@@ -717,8 +755,11 @@ def _rollout_parser(sub: Any) -> None:
         "the engine contract follows off",
     )
     p.add_argument(
-        "--isa", choices=["auto", "avx2", "avx512"], default="auto", help="force a kernel build of the engine (auto: its own pick)"
-    )
+        "--isa", choices=ISA_CHOICES, default="auto",
+        help="run the engine as this CPU family would (a test device for developers and CI: oneDNN's ISA cap, vLLM's kernel "
+        "build and its AMX checks; recorded in the dump as engine.cpu_family). auto: this "
+        "machine's own family. A family this CPU lacks the instructions of is refused",
+    )  # fmt: skip
     _add_out_args(p, "dump")
     _add_json_arg(p)
     p.set_defaults(handler=cmd_rollout)
@@ -736,7 +777,7 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
         prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
         world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
         micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
-        modules=args.modules, overwrite=args.overwrite,
+        engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite,
     )  # fmt: skip
     run = run_onpolicy(cfg)
     if run.stopped is not None and cfg.modules:
@@ -815,6 +856,12 @@ def _onpolicy_parser(sub: Any) -> None:
         help="the engine's OpenMP threads (default 1; split-KV off)",
     )
     p.add_argument(
+        "--engine-timeout", type=bounded_float("--engine-timeout", 1.0, 86400.0), default=300.0, metavar="SECONDS",
+        help="the base of every engine call's time limit (default 300): probing and recording get 4x, starting 4x and at "
+        "least 600 s, a generation adds 0.05 s per prompt and sampled token; an engine that does not answer in time "
+        "(stalled, stopped) is stopped and the run ends naming the call",
+    )  # fmt: skip
+    p.add_argument(
         "--modules", action="store_true",
         help="strict mode: the step it stops at records the engine's modules, and the comparator names the first origin",
     )  # fmt: skip
@@ -850,6 +897,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def _where_it_stopped(args: argparse.Namespace) -> str:
+    """For a stopped run that writes a directory: what it holds now."""
+    out = getattr(args, "out", None)
+    if not out:
+        return ""
+    last = Path(out) / "last"
+    if last.is_symlink():
+        return f"; {out} holds step {int(Path(os.readlink(last)).name)} (the last complete one)"
+    return f"; no step completed, nothing was kept in {out}" if args.verb == "onpolicy" else ""
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     Parser.argv = tuple(argv) if argv is not None else tuple(sys.argv[1:])
     # transformers' "falling back to the reference implementation" notes are noise on CPU;
@@ -862,9 +920,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     if launcher_rank() != 0:  # under torchrun: rank 0 speaks for all
         sys.stdout = open(os.devnull, "w")
     handler: Handler = args.handler
+    from fx_precision.lifetime import Stopped
+
     try:
         try:
             return handler(args)
+        except Stopped as exc:  # SIGTERM / SIGINT: the run's processes are stopped and its output whole; one line, 128 + signal
+            print(f"fx-precision {args.verb}: {exc}{_where_it_stopped(args)}", file=sys.stderr)
+            return 128 + exc.signum
         except Exception as exc:  # Dynamo wraps a backend's error (BackendCompilerFailed), a rank's comes wrapped too
             inner = precision_error_in(exc)
             if inner is None or inner is exc:

@@ -23,7 +23,7 @@ llm = LLM(
     model=checkpoint, dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=2048, seed=seed,
     enable_prefix_caching=False,
 )  # fmt: skip
-params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=0, logprobs=0, temperature=1.0, seed=seed, detokenize=False)
+params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=0, logprobs=0, temperature=1.0, detokenize=False)  # LLM(seed=...)
 outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
 result = []
 for prompt, out in zip(prompts, outputs, strict=True):

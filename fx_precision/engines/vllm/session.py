@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Iterable, Sequence
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -26,6 +25,7 @@ import torch
 from fx_precision.checkpoints import read_checkpoint_config, tensors_digest, weights_digest
 from fx_precision.contract import EngineContract, RotaryOp
 from fx_precision.contract.batch_rows import attention_calls
+from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.probing import (
     attention_followed,
     check_attention_calls,
@@ -39,6 +39,7 @@ from fx_precision.contract.vocabulary import LogprobForm, NormForm, OpClass, Rot
 from fx_precision.dump import CallInfo, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
+from fx_precision.engines.vllm.cpu_family import FamilySettings, cpu_flags, family_settings, native_family
 from fx_precision.engines.vllm.modules import ModuleRecorder
 from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls
 from fx_precision.errors import PrecisionError
@@ -49,7 +50,6 @@ ENGINE_ENV = {
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries --json only
 }
-ISA_CHOICES = ("auto", "avx2", "avx512")  # auto: what vLLM picks on this machine; the others force a kernel build
 MAX_MODEL_LEN = 4096  # positions the engine is started with at most (its KV cache is sized for them)
 
 
@@ -69,16 +69,13 @@ def engine_max_len(config: Any) -> int:
     return min(int(getattr(config, "max_position_embeddings", 2048) or 2048), MAX_MODEL_LEN)
 
 
-def _force_isa(isa: str) -> None:
-    """Make vLLM load another build of its CPU kernels: it picks by these checks (vllm/platforms/cpu.py)."""
-    if isa not in ISA_CHOICES:
-        raise PrecisionError(f"--isa {isa!r}: one of {', '.join(ISA_CHOICES)}")
-    if isa == "auto":
-        return
-    torch.cpu._is_amx_tile_supported = lambda: False
-    if isa == "avx2":
-        torch.cpu._is_avx512_supported = lambda: False
-        torch.cpu._is_avx512_bf16_supported = lambda: False
+def _run_as(settings: FamilySettings) -> None:
+    """Make this process's engine run as ``settings.family`` (cpu_family.py): oneDNN's ISA cap in the environment before
+    it first runs, and the ``torch.cpu`` checks vLLM picks its kernels by."""
+    os.environ.update(settings.environment())
+    torch.cpu._is_amx_tile_supported = lambda: settings.amx
+    torch.cpu._is_avx512_bf16_supported = lambda: settings.avx512_bf16
+    torch.cpu._is_avx512_supported = lambda: settings.avx512
 
 
 def _last_line(exc: BaseException) -> str:
@@ -103,15 +100,6 @@ def _kernel_build() -> str:
     if not torch.cpu._is_avx512_supported():
         return "AVX2 (_C_AVX2)"
     return "AVX512+BF16 (_C)" if torch.cpu._is_avx512_bf16_supported() else "AVX512 (_C_AVX512)"
-
-
-def _cpu_flags() -> list[str]:
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return []
-    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
-    return sorted(set(flags) & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})
 
 
 class StepRecorder:
@@ -173,6 +161,16 @@ def _logprob(entry: dict[int, Any] | None, token: int) -> float:
     return float(entry[token].logprob)
 
 
+def _never_fatal(op_class: OpClass, read: Any, *args: Any) -> tuple[Any, dict[str, Any]]:
+    """``read(*args)`` -> (value, evidence), or (None, why it failed) where the probe itself could not run (a candidate
+    this CPU cannot execute, an engine op that refuses the probe's shapes): the rollout, its dump and the as-is
+    comparison go on, and only the contract refuses this op class, with the reason."""
+    try:
+        return read(*args)
+    except (PrecisionError, RuntimeError, ValueError) as exc:
+        return None, {"failed": True, "why": f"the {op_class} probe could not run here: {_last_line(exc)}"}
+
+
 class VllmSession:
     """A live vLLM on one checkpoint (module docstring)."""
 
@@ -190,7 +188,8 @@ class VllmSession:
             os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "1" if cfg.split_kv == "on" else "0"
         os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # the engine's own warnings (with its tracebacks) on request only
         torch.set_num_threads(cfg.threads)  # torch read OMP_NUM_THREADS at import; the engine's kernels ask OpenMP
-        _force_isa(cfg.isa)
+        family = family_settings(cfg.isa)
+        _run_as(family)
         vllm = import_vllm()
         from vllm import LLM
 
@@ -221,8 +220,11 @@ class VllmSession:
             "attention_backend": type(attn.impl).__name__ if attn is not None else None,
             "attention_isa": getattr(attn, "isa", None),
             "kernels": _kernel_build(),
-            "isa_forced": cfg.isa,
-            "cpu_flags": _cpu_flags(),
+            "cpu_family": str(family.family),  # what the engine ran as (--isa; auto: this machine's own)
+            "native_family": str(native_family()),
+            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            "aten_capability": torch.backends.cpu.get_cpu_capability(),
+            "cpu_flags": sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
             "threads": torch.get_num_threads(),
             "block_size": int(self.llm.llm_engine.vllm_config.cache_config.block_size),
             "max_model_len": self.max_len,
@@ -256,7 +258,7 @@ class VllmSession:
 
         params = SamplingParams(
             n=request.samples, max_tokens=request.max_tokens, prompt_logprobs=0, logprobs=0, temperature=request.temperature,
-            seed=request.seed, detokenize=False,
+            detokenize=False,  # no per-request seed: the engine's generator, seeded at start, as users sample
         )  # fmt: skip
         started = time.perf_counter()
         with StepRecorder(self.model, capture_step=0) as steps:
@@ -278,13 +280,13 @@ class VllmSession:
         extra = {"norm_calls": dict(steps.norm_calls)}
         return Generation(sequences, logprobs, steps.steps, steps.logits, seconds, extra, steps.captured, request.temperature)
 
-    def record_modules(self, sequences: Sequence[TokenSequence], temperature: float, seed: int) -> ModulePass:
+    def record_modules(self, sequences: Sequence[TokenSequence], temperature: float) -> ModulePass:
         """Each sequence (prompt and sampled tokens) as one prefill alone (``max_tokens=1``), every module recorded and
         renamed (call i = sequence i): the engine's forward over what a teacher-forced training forward sees."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
 
-        params = SamplingParams(max_tokens=1, temperature=temperature, seed=seed, detokenize=False)
+        params = SamplingParams(max_tokens=1, temperature=temperature, detokenize=False)
         records: list[Record] = []
         calls: list[CallInfo] = []
         steps: list[list[tuple[int, int]]] = []
@@ -302,13 +304,14 @@ class VllmSession:
             calls.append(CallInfo("", call, -10_000 * (call + 1), 10_000 * (call + 1)))
         return ModulePass(records, calls, steps, logits_calls)
 
-    def probe(self, generation: Generation, module_pass: ModulePass | None) -> EngineContract:
+    def probe(self, generation: Generation, module_pass: ModulePass | None = None) -> EngineContract:
         """Every op class read off the engine's own ops, at the checkpoint's shapes and at the rows, lengths and
         thread count the run used (module docstring of contract/probing.py); what matches nothing is ``unmatched``.
         Rotary, norm and the attention arithmetic are read once per engine; the run's attention calls and linear calls
         are checked where no earlier run of this engine made them; the log-probs are read off every run."""
         gen = torch.Generator().manual_seed(20261201)
-        evidence: dict[str, Any] = {"attention_isa": self.info["attention_isa"], "kernels": self.info["kernels"]}
+        evidence: dict[str, Any] = {"attention_isa": self.info["attention_isa"], "kernels": self.info["kernels"],
+                                    "cpu_family": self.info["cpu_family"]}  # fmt: skip
         unmatched: list[tuple[OpClass, str]] = []
 
         def kept(op_class: OpClass, value: Any, found: dict[str, Any]) -> Any:
@@ -319,16 +322,18 @@ class VllmSession:
 
         for op_class, read in ((OpClass.ROTARY, self._rotary), (OpClass.NORM, self._norm), (OpClass.ATTENTION, self._attention_arith)):
             if op_class not in self._probed:
-                self._probed[op_class] = read(gen)
+                self._probed[op_class] = _never_fatal(op_class, read, gen)
         rotary = kept(OpClass.ROTARY, *self._probed[OpClass.ROTARY])
         norm = kept(OpClass.NORM, *self._probed[OpClass.NORM])
-        attention = kept(OpClass.ATTENTION, *self._attention_at_run(generation, gen))
+        attention = kept(OpClass.ATTENTION, *_never_fatal(OpClass.ATTENTION, self._attention_at_run, generation, gen))
         body = {len(rows) for rows in generation.steps} | ({len(rows) for rows in module_pass.steps} if module_pass else set())
         logits = {rows for _, rows in generation.logits_calls} | ({rows for _, rows in module_pass.logits_calls} if module_pass else set())
-        linears, linear_evidence = read_linear_calls(linear_calls(self.model, self.info["checkpoint"]), body, logits,
-                                                     int(self.info["threads"]), gen, self._linears_seen)  # fmt: skip
+        calls = linear_calls(self.model, self.info["checkpoint"])
+        linears, linear_evidence = _never_fatal(OpClass.LINEARS, read_linear_calls, calls, body, logits, int(self.info["threads"]), gen,
+                                                self._linears_seen)  # fmt: skip
+        linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
         evidence[str(OpClass.LINEARS)] = linear_evidence
-        if linear_evidence.get("unmatched"):
+        if linear_evidence.get("unmatched") or linear_evidence.get("failed"):
             unmatched.append((OpClass.LINEARS, str(linear_evidence.get("why"))))
         logprobs, found = match_logprobs(generation)
         evidence[str(OpClass.LOGPROBS)] = {**found, "mode": f"{self.cfg.logprobs}_logprobs"}
@@ -336,10 +341,10 @@ class VllmSession:
             unmatched.append((OpClass.LOGPROBS, str(found.get("why"))))
         evidence["matched"] = {
             "rotary": rotary is not None, "norm": norm is not None, "attention": attention_followed(attention, evidence["attention"]),
-            "linears": not linear_evidence.get("unmatched"),
+            "linears": not linear_evidence.get("unmatched") and not linear_evidence.get("failed"),
         }  # fmt: skip
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs or LogprobForm.RAW,
-                              tuple(unmatched), evidence)  # fmt: skip
+                              self.info["aten_capability"], tuple(unmatched), evidence)  # fmt: skip
 
     def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, dict[str, Any]]:
         rope = first_module(self.model, "RotaryEmbedding")
@@ -388,7 +393,7 @@ class VllmSession:
             found["at the run's calls"] = check_attention_calls(run, arith, shapes, heads, kv_heads, dim, gen, self._attention_seen)
         return arith, found
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
         """The engine's weights replaced in memory by ``weights`` (transformers names, bf16): vLLM's in-place reload
         restores each layer's checkpoint shapes, loads (fusing q/k/v and gate/up), and packs its kernels again; the
         embedding-type layers are packed again after it (a tied output projection shares the embedding, gets no
@@ -411,6 +416,7 @@ class VllmSession:
         self.llm.reset_prefix_cache()
         self.info["weights"] = tensors_digest(named.items())  # what it runs now: the dump's weights identity
         self.info["weights_source"] = "synced in memory"
+        return str(self.info["weights"])
 
     def describe(self) -> dict[str, Any]:
         return {**self.info, "norm_calls": dict(self.norm_calls)}

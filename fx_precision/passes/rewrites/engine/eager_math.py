@@ -17,6 +17,7 @@ from torch import fx
 
 from fx_precision.contract import EngineContract
 from fx_precision.contract.vocabulary import OpClass
+from fx_precision.errors import PrecisionError
 from fx_precision.passes.context import PassContext
 from fx_precision.passes.graph.nodes import node_dtype, node_value
 from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn, record, replace_node
@@ -112,9 +113,18 @@ def engine_eager_math(contract: EngineContract) -> RewriteFn:
     """Every reduction (mean, sum) and transcendental (exp, cos, sin, silu, ...) on a float tensor becomes
     ``fxp_engine.eager_math``: the engine runs them as torch's eager kernels (its norms' mean of squares,
     its rotary tables, its activations), while Inductor would generate another summation order and other
-    exp / cos / sin approximations. Under the ``aot_eager`` inner compiler the op is the same kernel."""
+    exp / cos / sin approximations. Under the ``aot_eager`` inner compiler the op is the same kernel. torch's eager
+    kernels sum a reduction in its vector width's order: this process must run them at the engine's ATen capability
+    (``contract.eager_math``), or the graph is refused."""
 
     def rewrite(gm: fx.GraphModule, ctx: PassContext) -> list[EngineRewrite]:
+        here = torch.backends.cpu.get_cpu_capability()
+        if contract.eager_math is not None and here.lower() != contract.eager_math.lower():
+            raise PrecisionError(
+                f"engine contract: eager-math: the engine ran torch's eager kernels (its norms' sums, its activations) at "
+                f"{contract.eager_math} and this process runs them at {here}, which sums and rounds otherwise: start the training "
+                f"side with ATEN_CPU_CAPABILITY={contract.eager_math.lower()}"
+            )
         done = []
         for node in list(gm.graph.nodes):
             if node.op == "call_function" and node.target is _F.layer_norm:

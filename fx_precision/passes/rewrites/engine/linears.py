@@ -5,7 +5,7 @@ F.linear(x, w, b) | x @ w.T (+ b) | addmm(b, x, w)                       however
                                                                          call that computed it (the row plan)
 the output projection's rows by the logits calls (``logits``), every other linear's by the forward steps;
 linears reading one input are one engine GEMM (q, k, v; gate, up): ``engine_out`` is their summed width.
-A contract that read no linear order refuses a graph with linears.
+A contract that read no linear order, or could not read one the run made, refuses a graph with linears.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ def engine_linears(contract: EngineContract) -> RewriteFn:
 
     def rewrite(gm: fx.GraphModule, ctx: PassContext) -> list[EngineRewrite]:
         forms = linear_forms(gm)
-        if forms and not contract.linears.calls:
+        if forms and (not contract.linears.calls or LINEARS in contract.why_unmatched()):
             raise contract.refused(LINEARS, module_path(forms[0].out))
         widths = [_engine_width(f, forms) for f in forms]
         graph = gm.graph

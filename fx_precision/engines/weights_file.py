@@ -1,0 +1,72 @@
+"""Weights handed to a live engine in another process: one safetensors file, memory-backed where it can be.
+
+    memory_backed_dir()           /dev/shm where it is writable, else the temp directory
+    weights_file_name(owner)      fxp-engine-<owner pid>-<n>.safetensors: whose it is, in its name
+    write_weights(weights, file)  written beside ``file`` and renamed into place (the engine never reads half a file)
+    remove_stale(directory)       the files of owners that are gone (a run killed before it could remove its own)
+
+The owner (engines/client.EngineProcess) removes its file when it closes, on every path; what a killed owner leaves is
+removed by the next owner, which can prove the first is gone (its pid no longer runs).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import re
+from pathlib import Path
+
+import torch
+
+PREFIX = "fxp-engine-"
+_COUNTER = itertools.count()
+
+
+def memory_backed_dir() -> tuple[Path, bool]:
+    """Where synced weights are written: /dev/shm (memory-backed) where it is writable, else the temp directory."""
+    import tempfile
+
+    shm = Path("/dev/shm")
+    if shm.is_dir() and os.access(shm, os.W_OK):
+        return shm, True
+    return Path(tempfile.gettempdir()), False
+
+
+def weights_file_name(owner: int | None = None) -> str:
+    return f"{PREFIX}{owner or os.getpid()}-{next(_COUNTER)}.safetensors"
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True  # another user's process: alive, not ours to judge
+    return True
+
+
+def remove_stale(directory: Path) -> list[Path]:
+    """Remove weights files (and half-written ones) in ``directory`` whose owner process is gone; returns them."""
+    removed = []
+    pattern = re.compile(rf"^\.?{re.escape(PREFIX)}(\d+)-\d+\.safetensors(\.writing)?$")
+    for path in directory.glob(f"*{PREFIX}*"):
+        found = pattern.match(path.name)
+        if found and not _alive(int(found.group(1))):
+            path.unlink(missing_ok=True)
+            removed.append(path)
+    return removed
+
+
+def write_weights(weights: dict[str, torch.Tensor], file: Path) -> None:
+    """``weights`` as one safetensors file, written beside ``file`` and renamed into place."""
+    from safetensors.torch import save_file
+
+    tmp = file.with_name(f".{file.name}.writing")
+    save_file({n: t.clone() if _shares_storage(t, weights, n) else t for n, t in weights.items()}, str(tmp))
+    tmp.replace(file)
+
+
+def _shares_storage(tensor: torch.Tensor, weights: dict[str, torch.Tensor], name: str) -> bool:
+    """safetensors refuses tensors that share memory: a tied weight sent under two names is cloned for the second."""
+    return any(other is tensor and n < name for n, other in weights.items())

