@@ -9,12 +9,15 @@
         source-operand    transformer.wpe     out     fp32 -> bf16   forward hook   (only when the operand has that one use)
         covered-narrowing model.layers.*.ln_1 out     fp32 -> bf16   forward hook   (its consumers cast it anyway)
         gather-emulation  -                                          FSDP2 gathers at the unit dtype (apply_fsdp2)
+        weight-read       -                                          the same: the experts' rule gathers them narrow
         dtype-following   -                                          eager code follows runtime dtypes: nothing to do
         a cast inside a module, not on its output                    compile-only, with the reason
 
     EagerFix
     ├── hooks          EagerHook(modules glob, output path, from, to, kind, the finding it fixes)
     ├── compile_only   (cast, reason)
+    ├── gathers        gather rules no hook can make: a weight an uncovered op reads (MoE experts, grouped_mm)
+    │                  at the compute dtype; FSDP2: add them to the policy's spec, one device: gathered_eagerly
     ├── apply(model)   registers the hooks (first, so every later hook sees narrowed outputs);
     │                  the globs also match a smaller model of the same family
     └── remove()       the model is exactly as before
@@ -46,10 +49,11 @@ from fx_precision.passes.capture import ModuleIO, capture_graphs, fake_forward_i
 from fx_precision.passes.context import Mode
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.kinds import CastKind
-from fx_precision.passes.graph.nodes import module_path, node_value, op_name
+from fx_precision.passes.graph.nodes import behind_views, module_path, node_value, op_name
 from fx_precision.passes.pipeline import PipelineResult, run_pipeline
 from fx_precision.plan import PrecisionPlan
 from fx_precision.policy import PrecisionPolicy
+from fx_precision.spec import ModuleSel, PrecisionSpec, Rule
 
 _INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
 
@@ -76,6 +80,7 @@ class EagerFix:
 
     hooks: list[EagerHook] = field(default_factory=list)
     compile_only: list[tuple[InsertedCast, str]] = field(default_factory=list)
+    gathers: PrecisionSpec = field(default_factory=PrecisionSpec)  # units to gather at compute (weight reads: MoE experts)
     _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
 
     def apply(self, model: nn.Module) -> EagerFix:
@@ -119,6 +124,11 @@ class EagerFix:
         rows = [[h.modules, h.path, f"{dtype_name(h.frm)} -> {dtype_name(h.to)}", h.kind, h.exact, h.fixes] for h in self.hooks]
         headers = ["module(s)", "output", "dtypes", "cast", "exact", "fixes"]
         text = tabulate(rows, headers=headers) if rows else "no hooks: nothing to fix"
+        if self.gathers:
+            text += (
+                f"\n\ngather rules the hooks cannot make (add them to the policy's spec before apply_fsdp2; one device: "
+                f"fxp.gathered_eagerly): {self.gathers.text()}"
+            )
         if self.compile_only:
             text += "\n\ncompile-only (no module boundary to hook):\n" + "\n".join(
                 f"  {c.node} ({c.kind}) in {c.module or '<root>'}: {why}" for c, why in self.compile_only
@@ -129,6 +139,7 @@ class EagerFix:
         return {
             "hooks": [h.to_dict() for h in self.hooks],
             "compile_only": [{**c.to_dict(), "why": why} for c, why in self.compile_only],
+            "gathers": [rule.text() for rule in self.gathers.rules],
         }
 
 
@@ -191,6 +202,7 @@ def eager_casts(
         model, args, kwargs, device_type=setup.device_type, autocast=autocast_context(setup.compute, setup.device_type), modules=hosts
     )
     fix = EagerFix()
+    gathers: list[str] = []
     for gm, result in runs:
         nodes = {n.name: n for n in gm.graph.nodes}
         for cast in result.casts:
@@ -199,8 +211,19 @@ def eager_casts(
                 fix.hooks.append(hook)
             elif why:
                 fix.compile_only.append((cast, why))
+            owner = _weight_owner(cast, nodes, result) if cast.kind is CastKind.WEIGHT_READ else None
+            if owner is not None and owner not in gathers:
+                gathers.append(owner)
     fix.hooks = _collapse(fix.hooks, [fqn for fqn, _ in model.named_modules()])
+    fix.gathers = PrecisionSpec(tuple(Rule(ModuleSel(fqn=fqn), gather=setup.compute) for fqn in gathers))
     return fix
+
+
+def _weight_owner(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResult) -> str | None:
+    """The module that owns the parameter a weight-read cast reads (through views)."""
+    operand = nodes.get(cast.of)
+    info = result.first.annotation.info.get(behind_views(operand)) if operand is not None else None
+    return info.param.rpartition(".")[0] if info is not None and info.param else None
 
 
 def apply_eager_fix(
@@ -233,6 +256,11 @@ def _to_hook(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResu
     the hook says so (``exact=False``)."""
     if cast.kind is CastKind.GATHER:
         return None, "a gather: apply_fsdp2 gathers each unit at its planned dtype (eagerly on one device: gathered_eagerly)"
+    if cast.kind is CastKind.WEIGHT_READ:
+        return None, (
+            "a weight read by an op autocast does not cover (grouped_mm): gather its unit at the compute dtype "
+            "(resolve_policy's stacked-experts rule does; apply_fsdp2 then gathers it so)"
+        )
     if cast.kind is CastKind.RETARGET:
         return None, ""  # eager code follows the runtime dtype: once the source is narrow, so is this
     subject = nodes.get(cast.of)

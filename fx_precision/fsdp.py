@@ -143,7 +143,8 @@ def gathered_eagerly(model: nn.Module, plan: PrecisionPlan) -> Iterator[None]:
     from torch.nn.utils.stateless import _reparametrize_module
 
     names = {fqn: plan.param(fqn).gather for fqn, p in model.named_parameters() if p.is_floating_point()}
-    if all(model.get_parameter(fqn).dtype == dtype for fqn, dtype in names.items()):
+    names = {fqn: dtype for fqn, dtype in names.items() if model.get_parameter(fqn).dtype != dtype}  # only what differs
+    if not names:
         yield
         return
     original = model.forward

@@ -63,8 +63,11 @@ def test_backend_fixes_both_rounds_in_one_compile_and_matches_the_hand_fix() -> 
     assert {p.grad.dtype for p in model.parameters()} == {torch.float32}
 
 
-def test_a_cast_that_follows_a_weight_into_a_custom_op_is_not_retargeted() -> None:
-    """``op(x.to(w.dtype), w)`` with a custom op: the cast followed ``w`` (fp32), not the stream."""
+def test_a_cast_that_follows_a_weight_into_a_custom_op_follows_the_weight_read_the_pass_casts() -> None:
+    """``op(x.to(w.dtype), w)`` with a custom op that needs one dtype (transformers' MoE experts: grouped_mm): once the
+    embedding is fixed, ``x`` is bf16 and the cast an upcast into an op autocast does not cover: the op's source
+    (FXP001, masked by the embedding). The pass casts the weight read for that op and the cast follows it: the op
+    runs at bf16, never at the bf16 x fp32 mix it cannot run."""
 
     @torch.library.custom_op("fxp_test::weighted", mutates_args=())
     def weighted(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -84,12 +87,26 @@ def test_a_cast_that_follows_a_weight_into_a_custom_op_is_not_retargeted() -> No
             h = self.embed(ids).flatten(0, 1)
             return h + weighted(h.to(self.w.dtype), self.w).to(h.dtype)
 
-    backend = fxp.make_precision_backend(inner="aot_eager")
+    graphs: list[torch.fx.GraphModule] = []
+
+    def inner(gm: torch.fx.GraphModule, example_inputs: list[object]) -> object:
+        graphs.append(gm)
+        return gm.forward
+
+    backend = fxp.make_precision_backend(inner=inner)
+    torch._dynamo.reset()
     with torch.autocast("cpu", dtype=BF16), torch.no_grad():  # the op has no autograd formula; forward is the point
         out = torch.compile(Experts(), backend=backend)(torch.randint(0, 32, (2, 4)))
     assert out.dtype == BF16
-    (retargeted,) = backend.reports[0].retargeted  # .to(h.dtype) of the op's output; not h.to(self.w.dtype)
-    assert retargeted.of.startswith("weighted")
+    (report,) = backend.reports
+    source = [f for f in report.before if f.code == "FXP001" and f.module == ""]
+    assert len(source) == 1 and source[0].round == 1 and "weighted.default is not autocast-covered and needs one dtype" in source[0].message
+    assert [c.kind for c in report.casts if c.fixes == source[0].node] == ["weight-read"]
+    followed = [c for c in report.retargeted if c.reason.startswith("weight-following")]
+    assert [c.node for c in followed] == [source[0].node]
+    (op,) = [n for n in graphs[0].graph.nodes if "weighted" in str(n.target)]
+    assert [a.meta["example_value"].dtype for a in op.all_input_nodes] == [BF16, BF16]
+    torch._dynamo.reset()
 
 
 @pytest.mark.parametrize("literal", [True, False])

@@ -22,10 +22,10 @@ from torch import fx
 from fx_precision.passes.graph.annotate import GraphAnnotation, annotate, param_names
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.census import GraphCensus, graph_census
-from fx_precision.passes.graph.kinds import ParamKind
+from fx_precision.passes.graph.kinds import CastKind, ParamKind
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.passes.repropagate import repropagate
-from fx_precision.passes.rewrites.dtype_following import narrowed_map, retarget_dtype_following
+from fx_precision.passes.rewrites.dtype_following import narrowed_map, retarget_dtype_following, retarget_weight_following
 from fx_precision.passes.rewrites.gather_emulation import emulate_gathers
 from fx_precision.passes.rules.findings import Finding, graph_findings
 
@@ -84,8 +84,12 @@ def analyse_graph(
 def settle_rewrite(
     gm: fx.GraphModule, casts: list[InsertedCast], compute: torch.dtype | None, device_type: str | None, *, before: GraphAnnotation
 ) -> list[InsertedCast]:
-    """After inserting ``casts``: retarget the dtype-following casts they invalidate, re-propagate dtypes."""
+    """After inserting ``casts``: retarget the casts they invalidate (those that followed a weight read into an op
+    needing one dtype, then those that followed the stream), re-propagate dtypes."""
+    reads = {c.node: c.to for c in casts if c.kind in (CastKind.GATHER, CastKind.WEIGHT_READ)}
+    retargeted, followed = retarget_weight_following(gm, reads, before) if reads else ([], set())
     narrowed = narrowed_map(casts, compute)
-    retargeted = retarget_dtype_following(gm, narrowed, {c.node for c in casts}, before) if narrowed else []
+    if narrowed:
+        retargeted += retarget_dtype_following(gm, narrowed, {c.node for c in casts} | followed, before)
     repropagate(gm, compute, device_type)
     return retargeted

@@ -38,6 +38,7 @@ from tabulate import tabulate
 from torch import nn
 
 from fx_precision.archs import input_embedding_fqns
+from fx_precision.archs.moe_experts import experts_at_compute_dtype
 from fx_precision.backend import make_precision_backend
 from fx_precision.dtypes import dtype_name
 from fx_precision.errors import PrecisionError
@@ -45,22 +46,26 @@ from fx_precision.fsdp import gathered_eagerly
 from fx_precision.logprobs import logits_of
 from fx_precision.lowering import compile_precision
 from fx_precision.plan import PrecisionPlan
+from fx_precision.policy import PrecisionPolicy
 from fx_precision.spec import parse_precision_rules
 from fx_precision.tools.kernel_census import census_of_code, per_token_size, summary
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch, vocab_size
 
 EMBED_RULE = "<input embeddings>=bf16"  # by role: input_embedding_fqns(model), whatever they are named
+EXPERTS_RULE = "<stacked MoE experts>=bf16"  # by what they hold: archs.moe_experts (where the model has them)
 
 
 def embedding_rules(model: nn.Module) -> str:
-    """Rule text gathering the model's input embeddings (found by role) at bf16."""
+    """Rule text gathering the model's input embeddings (found by role) at bf16, and its stacked MoE experts
+    (grouped_mm: autocast does not cover them either) where it has them and bf16 grouped_mm runs their sizes."""
     fqns = input_embedding_fqns(model)
     if not fqns:
         raise PrecisionError(
             f"{type(model).__name__} has no input embedding (no get_input_embeddings(), no nn.Embedding): the bench's "
             "plan variant gathers the embedding at bf16; give the model one or bench another model"
         )
-    return "; ".join(f"{fqn}=bf16" for fqn in fqns)
+    experts = experts_at_compute_dtype(getattr(model, "config", None), PrecisionPolicy(compute=torch.bfloat16), model)
+    return "; ".join([f"{fqn}=bf16" for fqn in fqns] + [f"{rule.select.text()}=bf16" for rule in experts.rules])
 
 
 @dataclass(frozen=True)
@@ -86,7 +91,7 @@ VARIANTS = (
     Variant("eager as-is", False, "fp32 gather: F.embedding seeds an fp32 stream"),
     Variant("eager both fixes", False, "embedding gathered at bf16 (cast at use)", gather_eagerly=True),
     Variant("inductor", True, "torch.compile, default Inductor"),
-    Variant("precision_backend + plan", True, f"backend with plan '{EMBED_RULE}'", backend="plan"),
+    Variant("precision_backend + plan", True, f"backend with plan '{EMBED_RULE}' (MoE: and '{EXPERTS_RULE}')", backend="plan"),
     Variant("precision_backend", True, "backend, no plan: casts the embedding output", backend="pass"),
     Variant("pure bf16 limit", True, "model converted to bf16, default Inductor", weights=torch.bfloat16),
     Variant("per-block backend", True, "each decoder layer compiled alone, backend; embedding eager", backend="pass", per_block=True),
@@ -244,7 +249,6 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
     hooks = None
     if variant.eager_fix:
         from fx_precision.eager_fix import eager_casts
-        from fx_precision.policy import PrecisionPolicy
 
         hooks = eager_casts(model, ids, policy=PrecisionPolicy(compute=torch.bfloat16), **kwargs).apply(model)
         torch._dynamo.reset()
@@ -390,6 +394,7 @@ def render(result: dict[str, Any]) -> str:
     extern = "\n".join(
         f"  {r['variant']}: extern calls {r['kernels']['extern_calls']}, bytes {r['kernels']['extern_bytes']}; "
         f"generated read {r['kernels']['bytes_read']}, written {r['kernels']['bytes_written']}"
+        + (f"; expert GEMMs (grouped_mm) by dtype {r['kernels']['grouped_gemm_calls']}" if r["kernels"].get("grouped_gemm_calls") else "")
         for r in result["variants"]
         if "kernels" in r
     )

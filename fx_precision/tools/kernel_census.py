@@ -10,7 +10,8 @@ Parsed from the wrapper code Inductor emits (``torch._inductor.utils.run_and_get
     KernelCensus
     ├── kernels: [Kernel(name, args: [(buffer, dtype, numel, read|write)])]
     ├── bytes_read / bytes_written by dtype (generated kernels)
-    ├── extern: calls and bytes by dtype (matmuls, SDPA: vendor kernels Inductor does not generate)
+    ├── extern: calls and bytes by dtype (matmuls, SDPA: vendor kernels Inductor does not generate),
+    │           and MoE expert GEMMs (grouped_mm calls) by the dtype they run at
     └── activation buffers: per-token tensors (leading dims = the batch's tokens, >= 2 values per
         token), not parameter-shaped: kernels touching an fp32 one are the leak in kernel form
 
@@ -263,4 +264,16 @@ def summary(census: KernelCensus, *, tokens: int, param_shapes: set[tuple[int, .
         "per_token_bytes_total": sum(census.bytes_by_dtype(only=per_token).values()),
         "extern_calls": len(census.externs()),
         "extern_bytes": census.bytes_by_dtype(extern=True),
+        "grouped_gemm_calls": grouped_gemm_calls(census),
     }
+
+
+def grouped_gemm_calls(census: KernelCensus) -> dict[str, int]:
+    """MoE expert GEMMs (``grouped_mm`` calls, forward and backward) by the dtype they run at: the dtype
+    of the activation they read (the op needs one dtype; a weight input has no allocation line)."""
+    counts: Counter[str] = Counter()
+    for kernel in census.externs():
+        if "grouped_mm" in kernel.name:
+            read = [arg.dtype for arg in kernel.args if not arg.write]
+            counts[dtype_name(read[0]) if read else "unknown"] += 1
+    return dict(counts)

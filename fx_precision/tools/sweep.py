@@ -32,7 +32,9 @@ from typing import Any
 import torch
 from torch import fx, nn
 
+from fx_precision.fsdp import gathered_eagerly
 from fx_precision.logprobs import logits_of
+from fx_precision.lowering import compile_precision
 from fx_precision.tools.arch_zoo import ARCHS, Arch, arch
 
 COMPUTE = torch.bfloat16
@@ -187,7 +189,9 @@ def _eager_fix_row(
 
     fix = fxp.eager_casts(model, input_ids=ids, policy=fxp.PrecisionPolicy(compute=COMPUTE))
     inexact = [h for h in fix.hooks if not h.exact]
-    with fix.apply(model):
+    # the gathers no hook makes (MoE experts read by grouped_mm), as one device gathers: a cast of the master per call
+    gathered = gathered_eagerly(model, compile_precision(model, fix.gathers, default_gather=torch.float32, default_master=None))
+    with fix.apply(model), gathered:
         torch._dynamo.reset()
         with torch.autocast("cpu", dtype=COMPUTE), torch.no_grad():
             torch.compile(model, backend=_recording(spec.name, "eager_fix", record, counts, inner="eager"))(input_ids=ids)
@@ -201,6 +205,7 @@ def _eager_fix_row(
     grads_equal = grads.keys() == compiled_grads.keys() and all(torch.equal(grads[n], compiled_grads[n]) for n in grads)
     row: dict[str, Any] = {
         "hooks": len(fix.hooks),
+        "gathers": len(fix.gathers),
         "inexact_hooks": len(inexact),
         "compile_only": len(fix.compile_only),
         "logits_bitwise": logits_equal,

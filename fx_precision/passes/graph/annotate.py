@@ -19,7 +19,11 @@ Kinds (``NodeKind``, of float tensor nodes):
                   an op autocast runs in fp32 (softmax, norms), a constant created wide
     source        wide without the program asking: an op autocast does not cover consuming a wide
                   weight (``uncovered-op``), or an elementwise op mixing a wide weight with a
-                  compute-dtype activation (``weight-promotion``)
+                  compute-dtype activation (``weight-promotion``). A cast of a narrow activation
+                  to a weight's dtype (``input.to(weight.dtype)``, no literal dtype) into an op that
+                  needs one dtype and autocast does not cover (``grouped_mm``: MoE experts) is
+                  that op's ``uncovered-op`` source: the program asked for the weight's dtype,
+                  which is the gather policy's, not for fp32
     propagation   wide because an activation input is wide (type_as, residual adds, ...)
 
 A *stream* tensor is an activation that crosses a module boundary (its producer and a consumer
@@ -37,8 +41,10 @@ from torch import fx
 
 from fx_precision.dtypes import is_analysed_float
 from fx_precision.module_graph import module_label
+from fx_precision.passes.graph.cast_literals import names_literal_dtype
 from fx_precision.passes.graph.kinds import FindingKind, NodeKind, ParamKind
 from fx_precision.passes.graph.nodes import (
+    behind_views,
     is_cast,
     is_custom_op,
     is_view,
@@ -48,6 +54,7 @@ from fx_precision.passes.graph.nodes import (
     normalise_source,
     op_name,
     placeholder_attr,
+    promotes_mixed_dtypes,
     source_line,
 )
 from fx_precision.passes.graph.units import UnitIndex
@@ -68,6 +75,7 @@ class NodeInfo:
     stream: bool = False
     unit: str | None = None
     consumers: tuple[fx.Node, ...] = ()  # the node's users when annotated (a later pass may insert casts between)
+    uncovered_op: fx.Node | None = None  # a weight-following cast's source: the op that reads the weight (wide_parent)
 
     @property
     def name(self) -> str:
@@ -207,6 +215,12 @@ def annotate(
             info.origin = frozenset().union(*(ann.info[n].origin for n in wide_acts))
             continue
         wide_static = [n for n in tensor_inputs if ann.info[n].kind.is_static and is_wide(node_dtype(n), compute)]
+        read = weight_following_read(node, params) if is_cast(node) else None
+        if read is not None:  # input.to(weight.dtype) into grouped_mm: the op's source, reading the weight
+            info.kind, info.source_kind = NodeKind.SOURCE, FindingKind.UNCOVERED
+            info.uncovered_op, info.wide_parent = read
+            info.origin = frozenset({node.name})
+            continue
         if is_cast(node) or not wide_static:
             info.kind = NodeKind.INTENTIONAL  # x.float() on a narrow x, softmax in fp32, ...
             info.origin = frozenset({node.name})
@@ -231,6 +245,33 @@ def annotate(
                 info.stream = True
                 break
     return ann
+
+
+def weight_following_read(cast: fx.Node, params: dict[fx.Node, tuple[str, ParamKind]]) -> tuple[fx.Node, fx.Node] | None:
+    """(op, parameter placeholder) when ``cast`` (no literal dtype on its line) gives its value, through
+    views, to an op that needs one dtype and autocast does not cover, which also reads a parameter
+    (through views) at the cast's dtype: ``grouped_mm(input.to(weight.dtype), weight)``. None otherwise."""
+    dtype = node_dtype(cast)
+    if dtype is None or not cast.args or not isinstance(cast.args[0], fx.Node) or node_dtype(cast.args[0]) == dtype:
+        return None
+    if names_literal_dtype(cast):
+        return None
+    stack, seen = list(cast.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if is_view(user):
+            stack.extend(user.users)
+            continue
+        if user.op != "call_function" or promotes_mixed_dtypes(user) or node_dtype(user) != dtype:
+            continue
+        for other in user.all_input_nodes:
+            param = behind_views(other)
+            if other is not cast and node_dtype(other) == dtype and params.get(param, ("", None))[1] is ParamKind.PARAMETER:
+                return user, param
+    return None
 
 
 def autocast_covered_uses(ann: GraphAnnotation, node: fx.Node) -> list[fx.Node] | None:

@@ -3,8 +3,8 @@
     InsertedCast(node, of, frm, to, reason, module, fixes, kind)
         node    the cast's node (or the retargeted / rewritten node)
         of      the value it reads
-        kind    CastKind: gather-emulation | source-output | source-operand | dtype-following |
-                covered-narrowing | engine-contract
+        kind    CastKind: gather-emulation | source-output | source-operand | weight-read |
+                dtype-following | covered-narrowing | engine-contract
         fixes   the source finding's node a source cast answers
 
 Shared by every rewrite, the pipeline, reports and the eager fix: a reader's type, so readers never

@@ -7,7 +7,8 @@ Each is a ``TextEnum``: it compares equal to, formats as and serialises to its v
     Severity     info < warn < error
     FindingKind  uncovered-op | weight-promotion (sources) | explicit-upcast | wide-input | round-trip-cast
                  | plan-mismatch | wide-gather
-    CastKind     gather-emulation | source-output | source-operand | dtype-following | covered-narrowing | engine-contract
+    CastKind     gather-emulation | source-output | source-operand | weight-read | dtype-following | covered-narrowing
+                 | engine-contract
     ParamKind    parameter | buffer (what a lifted placeholder holds)
 """
 
@@ -64,6 +65,7 @@ class CastKind(_TextEnum):
     GATHER = "gather-emulation"  # a parameter to its unit's gather dtype, at its use
     SOURCE_OUTPUT = "source-output"  # a source's output to the compute dtype
     SOURCE_OPERAND = "source-operand"  # a promotion's module-crossing operand, for that use
+    WEIGHT_READ = "weight-read"  # a parameter an uncovered one-dtype op reads (grouped_mm), for that use
     RETARGET = "dtype-following"  # a traced cast / factory dtype that followed a narrowed value
     COVERED = "covered-narrowing"  # a wide tensor only autocast-covered ops use, at its producer
     ENGINE = "engine-contract"  # an op rewritten to compute what the rollout engine computes

@@ -161,6 +161,27 @@ def is_custom_op(node: fx.Node) -> bool:
     return False
 
 
+# ops that need their float inputs at one dtype and that autocast does not cover (grouped GEMMs)
+ONE_DTYPE_FUNCTIONS: frozenset[Any] = frozenset(
+    f for f in (getattr(torch, "_grouped_mm", None), getattr(torch.nn.functional, "grouped_mm", None)) if f is not None
+)
+
+
+def promotes_mixed_dtypes(node: fx.Node) -> bool:
+    """False for ops that need their float inputs at one dtype: custom ops, in-place methods
+    (``index_add_``) and grouped GEMMs (``torch._grouped_mm``)."""
+    if node.op == "call_method":
+        return not str(node.target).endswith("_")
+    return not is_custom_op(node) and node.target not in ONE_DTYPE_FUNCTIONS
+
+
+def behind_views(node: fx.Node) -> fx.Node:
+    """``node`` back through views (``weight.transpose(-2, -1)`` -> ``weight``)."""
+    while is_view(node) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
 ENGINE_MADE = "fxp_engine_made"  # node meta: the op class of the engine-contract rewrite that wrote the node
 
 

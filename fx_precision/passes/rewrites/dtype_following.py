@@ -33,7 +33,14 @@ from fx_precision.passes.graph.annotate import GraphAnnotation
 from fx_precision.passes.graph.cast_literals import LITERAL_DTYPE, names_literal_dtype
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.kinds import CastKind, NodeKind
-from fx_precision.passes.graph.nodes import is_cast, is_custom_op, is_view, module_path, node_dtype, source_line
+from fx_precision.passes.graph.nodes import (
+    is_cast,
+    is_view,
+    module_path,
+    node_dtype,
+    promotes_mixed_dtypes,
+    source_line,
+)
 
 
 def _cast_target(node: fx.Node) -> tuple[str, int | str, torch.dtype] | None:
@@ -66,6 +73,92 @@ def _meets_stream_value(node: fx.Node, old: torch.dtype, before: GraphAnnotation
             if other is not node and info is not None and info.dtype == old and info.kind in (NodeKind.PROPAGATION, NodeKind.SOURCE):
                 return True
     return False
+
+
+def _weight_read_dtype(node: fx.Node, reads: dict[str, torch.dtype]) -> torch.dtype | None:
+    """The dtype a cast this rewrite inserted gives ``node`` (back through views), or None."""
+    while True:
+        if node.name in reads:
+            return reads[node.name]
+        if not (is_view(node) and node.args and isinstance(node.args[0], fx.Node)):
+            return None
+        node = node.args[0]
+
+
+def _traced_origin(node: fx.Node, reads: dict[str, torch.dtype]) -> fx.Node:
+    """``node`` back through views and the casts this rewrite inserted: a node of the graph as traced."""
+    while (is_view(node) or node.name in reads) and node.args and isinstance(node.args[0], fx.Node):
+        node = node.args[0]
+    return node
+
+
+def _followed_weight(node: fx.Node, old: torch.dtype, reads: dict[str, torch.dtype], before: GraphAnnotation) -> torch.dtype | None:
+    """What a cast to ``old`` that met, at an op needing one dtype, a weight read at ``old`` must now
+    follow: the dtype this rewrite cast that read to (gather emulation, a weight-read cast)."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if is_view(user):
+            stack.extend(user.users)
+            continue
+        if promotes_mixed_dtypes(user):
+            continue
+        for other in user.all_input_nodes:
+            if other is node:
+                continue
+            new = _weight_read_dtype(other, reads)
+            traced = before.info.get(_traced_origin(other, reads))
+            if new is not None and new != old and traced is not None and traced.kind is NodeKind.WEIGHT and traced.dtype == old:
+                return new
+    return None
+
+
+def retarget_weight_following(
+    gm: fx.GraphModule, reads: dict[str, torch.dtype], before: GraphAnnotation
+) -> tuple[list[InsertedCast], set[str]]:
+    """``input.to(weight.dtype)`` into an op that needs one dtype (``grouped_mm``), where this rewrite cast
+    the weight read (``reads``: inserted cast node -> its dtype): the cast follows the weight to its new
+    dtype, literal or real upcast as traced or not, since the op runs only at one dtype. Returns the
+    retargets and the names of the casts it retargeted (the stream rule leaves them alone)."""
+    changed, names = [], set()
+    for node in gm.graph.nodes:
+        if node.name in reads or node not in before.info:
+            continue
+        target = _cast_target(node)
+        if target is None:
+            continue
+        where, key, old = target
+        new = _followed_weight(node, old, reads, before)
+        if new is None:
+            continue
+        _set_target(node, where, key, new)
+        subject = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
+        names.add(node.name)
+        changed.append(
+            InsertedCast(
+                node.name,
+                subject.name if subject is not None else node.name,
+                node_dtype(subject) if subject is not None else old,
+                new,
+                f"weight-following cast retargeted {dtype_name(old)} -> {dtype_name(new)}: it meets, at an op that needs one dtype, "
+                f"a weight read now at {dtype_name(new)} (traced as {(source_line(node) or '').split(': ', 1)[-1].strip()!r})",
+                module_path(node),
+                kind=CastKind.RETARGET,
+            )
+        )
+    return changed, names
+
+
+def _set_target(node: fx.Node, where: str, key: int | str, new: torch.dtype) -> None:
+    if where == "args":
+        args = list(node.args)
+        args[int(key)] = new
+        node.args = tuple(args)
+    else:
+        node.kwargs = {**node.kwargs, "dtype": new}
 
 
 def retarget_dtype_following(
@@ -102,12 +195,7 @@ def retarget_dtype_following(
             continue
         where, key, old = target
         new = narrowed[old]
-        if where == "args":
-            args = list(node.args)
-            args[key] = new  # type: ignore[index]
-            node.args = tuple(args)
-        else:
-            node.kwargs = {**node.kwargs, "dtype": new}
+        _set_target(node, where, key, new)
         subject = node.args[0] if node.args and isinstance(node.args[0], fx.Node) and not factory else None
         changed.append(
             InsertedCast(
@@ -167,7 +255,7 @@ def _retarget_stream_constants(
 
 
 def _meets_compute_in_promotion(user: fx.Node, constant: fx.Node, before: GraphAnnotation) -> bool:
-    if is_cast(user) or not _promotes_mixed_dtypes(user):
+    if is_cast(user) or not promotes_mixed_dtypes(user):
         return False
     others = [before.info.get(o) for o in user.all_input_nodes if o is not constant]
     known = [o for o in others if o is not None]
@@ -209,13 +297,6 @@ _FOLLOWABLE = (NodeKind.PROPAGATION, NodeKind.SOURCE, NodeKind.WEIGHT, NodeKind.
 _STAYS = (NodeKind.WEIGHT, NodeKind.CONSTANT, NodeKind.INTENTIONAL, NodeKind.SOURCE)
 
 
-def _promotes_mixed_dtypes(user: fx.Node) -> bool:
-    """False for ops that need their float inputs at one dtype: custom ops and in-place methods (``index_add_``)."""
-    if user.op == "call_method":
-        return not str(user.target).endswith("_")
-    return not is_custom_op(user)
-
-
 def _meets_unnarrowed_input(node: fx.Node, old: torch.dtype, before: GraphAnnotation) -> bool:
     """Whether ``node``'s value (through views) meets, at an op that does not promote, another float
     input that stays at ``old``: then the cast followed that input's dtype, not the stream's."""
@@ -228,7 +309,7 @@ def _meets_unnarrowed_input(node: fx.Node, old: torch.dtype, before: GraphAnnota
         if is_view(user):
             stack.extend(user.users)
             continue
-        if _promotes_mixed_dtypes(user):
+        if promotes_mixed_dtypes(user):
             continue
         for other in user.all_input_nodes:
             info = before.info.get(other)

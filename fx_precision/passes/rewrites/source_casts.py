@@ -10,6 +10,12 @@ takes each wide float element out of it. A promotion whose wide operand is not a
 value another module produced (GPT-2's ``wte(ids) + wpe(positions)``: ``wpe``'s output crosses
 into the model) is fixed by casting that operand for this use: the crossing tensor is the one that
 must be narrow, and the sum is then computed as a hand fix computes it, from two bf16 operands.
+
+An op that needs one dtype and reads a wide weight after ``input.to(weight.dtype)`` (MoE experts:
+``grouped_mm``) cannot have its output cast alone: the weight read is cast for that use, and the
+input's cast, which followed the weight, is retargeted with it (``dtype_following``)::
+
+    grouped_mm(x.to(fp32), w_fp32.transpose(-2, -1))   ──▶   grouped_mm(x.to(bf16), w_fp32.transpose(-2, -1).to(bf16))
 """
 
 from __future__ import annotations
@@ -19,12 +25,21 @@ import operator
 import torch
 from torch import fx
 
-from fx_precision.dtypes import is_analysed_float
+from fx_precision.dtypes import dtype_name, is_analysed_float
 from fx_precision.module_graph import module_label
 from fx_precision.passes.graph.annotate import GraphAnnotation, NodeInfo
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.kinds import CastKind, FindingKind
-from fx_precision.passes.graph.nodes import cast_for_one_use, is_cast, is_view, node_dtype, node_value, redirect_through_cast
+from fx_precision.passes.graph.nodes import (
+    behind_views,
+    cast_for_one_use,
+    is_cast,
+    is_view,
+    node_dtype,
+    node_value,
+    op_name,
+    redirect_through_cast,
+)
 from fx_precision.passes.rules.findings import Finding
 
 
@@ -61,10 +76,39 @@ def _crossing_operand(ann: GraphAnnotation, info: NodeInfo) -> tuple[fx.Node, fx
     return operand, user
 
 
+def _cast_weight_reads(ann: GraphAnnotation, info: NodeInfo, finding: Finding, compute: torch.dtype) -> list[InsertedCast]:
+    """Cast, for the uncovered op only, each of its inputs that reads a wide parameter (through views)."""
+    op, casts = info.uncovered_op, []
+    assert op is not None
+    for operand in list(op.all_input_nodes):
+        if operand is info.node or behind_views(operand) is not info.wide_parent or node_dtype(operand) == compute:
+            continue
+        cast = cast_for_one_use(operand, op, compute)
+        param = ann.info[info.wide_parent].param if info.wide_parent in ann.info else None
+        casts.append(
+            InsertedCast(
+                cast.name,
+                operand.name,
+                node_dtype(operand),
+                compute,
+                f"{finding.code} {finding.kind} source: {op_name(op)} reads {param or operand.name} at "
+                f"{dtype_name(node_dtype(operand))}; cast for that read",
+                info.module,
+                info.name,
+                CastKind.WEIGHT_READ,
+                finding.code,
+            )
+        )
+    return casts
+
+
 def cast_sources(ann: GraphAnnotation, sources: list[Finding], compute: torch.dtype) -> list[InsertedCast]:
     casts = []
     for finding in sources:
         info = ann.by_name(finding.node)
+        if info.uncovered_op is not None:
+            casts += _cast_weight_reads(ann, info, finding, compute)
+            continue
         crossing = _crossing_operand(ann, info)
         if crossing is not None:
             operand, user = crossing

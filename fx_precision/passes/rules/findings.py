@@ -2,6 +2,7 @@
 
     code     kind               severity                       fires on
     FXP001   uncovered-op       error                          source: op autocast does not cover, wide weight in
+                                                               (directly, or input.to(weight.dtype) into grouped_mm)
     FXP002   weight-promotion   error                          source: elementwise op, wide weight x compute activation
     FXP101   explicit-upcast    warn                           a cast/fp32 op the program asked for, leaking to the stream
     FXP102   wide-input         warn (info if contained)       a graph input wider than compute (FSDP2 re-cast, RoPE table)
@@ -14,7 +15,9 @@
 
 Propagations (type_as, residual adds) are not findings: each source counts the wide nodes and
 the wide stream tensors it explains. A source whose wide value never reaches the stream (an fp32
-island the program narrows again, as Qwen3.5's gated norm does) is contained and not reported.
+island the program narrows again, as Qwen3.5's gated norm does) is contained and not reported,
+except a GEMM that reads its weight at the gather dtype (``grouped_mm`` after ``input.to(weight.dtype)``):
+its FLOPs run wide whether or not its output leaves the module.
 """
 
 from __future__ import annotations
@@ -144,11 +147,24 @@ def graph_findings(
     for info in ann.info.values():
         if info.kind is NodeKind.SOURCE:
             props, stream = explained(info.name)
-            if not stream:
-                continue  # contained: the program narrows it again before any module boundary
+            if not stream and info.uncovered_op is None:
+                continue  # contained: the program narrows it again before any module boundary (a GEMM at the weight's
+                # dtype is reported contained or not: its FLOPs run wide)
             weight = ann.info[info.wide_parent] if info.wide_parent is not None else None
             wname = (weight.param if weight and weight.param else weight.name if weight else "a weight") or "a weight"
-            if info.source_kind is FindingKind.UNCOVERED:
+            if info.source_kind is FindingKind.UNCOVERED and info.uncovered_op is not None:
+                message = (
+                    f"{op_name(info.uncovered_op)} is not autocast-covered and needs one dtype; the program casts its input to the "
+                    f"weight's dtype ({op_name(info.node)} -> {dtype_name(info.dtype)}), so it reads {wname} at "
+                    f"{dtype_name(weight.dtype if weight else None)} and computes at {dtype_name(info.dtype)} in a "
+                    f"{dtype_name(compute)} stream"
+                )
+                rule = f"{_rule_target(info, weight)}={dtype_name(compute)}"
+                fix = (
+                    f"gather the weight at {dtype_name(compute)} (rule '{rule}'; resolve_policy adds it for stacked MoE experts) or cast "
+                    "the weight read (the backend does)"
+                )
+            elif info.source_kind is FindingKind.UNCOVERED:
                 message = (
                     f"{op_name(info.node)} is not autocast-covered; it reads {wname} at {dtype_name(weight.dtype if weight else None)} "
                     f"and emits {dtype_name(info.dtype)} into a {dtype_name(compute)} stream"
