@@ -78,6 +78,8 @@ def compare(checkpoint: Path, dump: Path, *extra: str, threads: int | None = Non
             rc = cli(["compare", "--model", str(checkpoint), "--rollout", str(dump), "--json", *extra])
         except SystemExit as exc:
             rc = exc.code
+        except Exception as exc:  # a failure of one row is that row's error, not the matrix's end
+            return {"error": f"compare raised {type(exc).__name__}: {str(exc).strip().splitlines()[0][:300] if str(exc).strip() else ''}"}
         finally:
             torch.set_num_threads(before)
             if environ is None:
@@ -155,7 +157,7 @@ ROWS: dict[str, tuple[str, ...]] = {
     "contract compiled, FSDP2 x2": ("--contract", "vllm", "--compiled", "--world-size", "2"),
 }
 SHORT = ("as-is eager", "contract eager", "contract compiled")
-FAMILY_ROWS = ("as-is eager", "contract eager", "contract compiled", "contract compiled, FSDP2 x2")  # --rows short: per family
+FAMILY_ROWS = ("as-is eager", "contract eager", "contract compiled, FSDP2 x2")  # --rows short: per family
 
 
 def measure(arch: str, args: argparse.Namespace, root: Path, isa: str) -> list[dict[str, Any]]:
@@ -200,8 +202,8 @@ SHAPE_ROWS: tuple[tuple[str, tuple[str, ...], int | None], ...] = (  # (row, com
 )
 
 
-SHAPE_FAMILY_ROWS = (SHAPE_ROWS[0], SHAPE_ROWS[1], SHAPE_ROWS[3], ("contract compiled, FSDP2 x2", ("--contract", "vllm", "--compiled",
-                     "--world-size", "2"), None))  # fmt: skip
+SHAPE_FAMILY_ROWS = (SHAPE_ROWS[0], SHAPE_ROWS[1], ("contract compiled, FSDP2 x2", ("--contract", "vllm", "--compiled", "--world-size",
+                     "2"), None))  # fmt: skip
 
 
 def measure_shape(name: str, args: argparse.Namespace, root: Path, isa: str) -> list[dict[str, Any]]:
@@ -273,10 +275,15 @@ def main() -> None:
     parser.add_argument("--step-prompt-lens", default="256,256", help="the step's batch: these prompts ...")
     parser.add_argument("--step-max-tokens", type=int, default=256, help="... and this many sampled tokens each (batch 2 x 512)")
     parser.add_argument("--steps", type=int, default=5, help="timed training steps per variant")
-    parser.add_argument("--isa", default="auto", help="the CPU families the engine runs as, comma-separated (rollout --isa; auto: "
-                        "this machine's own)")
-    parser.add_argument("--rows", choices=["all", "short"], default="all", help="short: per family as-is, contract eager, compiled "
-                        "and compiled on FSDP2 x2, engine threads the first of --threads")
+    parser.add_argument(
+        "--isa", default="auto", help="the CPU families the engine runs as, comma-separated (rollout --isa; auto: this machine's own)"
+    )
+    parser.add_argument(
+        "--rows",
+        choices=["all", "short"],
+        default="all",
+        help="short: per family as-is, contract eager and compiled on FSDP2 x2, engine threads the first of --threads",
+    )
     parser.add_argument("--json", metavar="FILE", help="also write the rows as JSON")
     args = parser.parse_args()
     args.threads = [int(t) for t in args.threads.split(",")]

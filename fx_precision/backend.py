@@ -35,6 +35,7 @@ from fx_precision.passes.context import GraphRewrite, GraphSetup, Mode, PassCont
 from fx_precision.passes.graph.annotate import param_names
 from fx_precision.passes.graph.casts import InsertedCast
 from fx_precision.passes.graph.kinds import CastKind, ParamKind, severity_rank
+from fx_precision.passes.graph.nodes import module_path
 from fx_precision.passes.graph.units import UnitIndex
 from fx_precision.passes.pipeline import run_pipeline
 from fx_precision.passes.repropagate import graph_device_type
@@ -200,6 +201,7 @@ class PrecisionBackend:
             report.before = report.after = analysis.findings
             report.stream_before = report.stream_after = analysis.census.stream
         else:
+            _refuse_nested_graphs(gm, contract=self.policy is not None and self.policy.contract is not None)
             self._enforce(gm, self._context(example_inputs, compute, report.index, device_type, names), report)
         report.pass_seconds = time.perf_counter() - start
         inner_start = time.perf_counter()
@@ -265,6 +267,29 @@ class PrecisionBackend:
             raise PrecisionError(
                 f"precision_backend (enforce{', strict' if self.strict else ''}): {len(failing)} finding(s) remain after the pass "
                 f"({result.rounds} round(s) of casts) in graph {report.index}:\n{details}"
+            )
+
+
+def _refuse_nested_graphs(gm: fx.GraphModule, *, contract: bool) -> None:
+    """A graph that holds a model's blocks inside a higher-order op is refused: activation checkpointing traces each
+    checkpointed block into ``tag_activation_checkpoint``'s own graph, and the passes read and rewrite one graph, so
+    the block would run unenforced without a word. Under an engine contract every nested graph is refused (each op
+    must compute what the engine computes). Other higher-order ops of a plain policy (a custom ``autograd.Function``,
+    Bloom's GELU: ``autograd_function_apply``) are ops of the outer graph, as their outputs' dtypes show."""
+    for node in gm.graph.nodes:
+        if node.op != "call_function" or not isinstance(node.target, torch._ops.HigherOrderOperator):
+            continue
+        if not contract and "checkpoint" not in str(node.target):
+            continue
+        nested = [a for a in node.args if isinstance(a, fx.Node) and a.op == "get_attr" and isinstance(getattr(gm, str(a.target), None),
+                                                                                                        fx.GraphModule)]  # fmt: skip
+        if nested:
+            where = module_path(node) or "<root>"
+            raise PrecisionError(
+                f"precision_backend: {node.target} holds a nested graph at {where} (torch.utils.checkpoint and other "
+                "higher-order ops trace their body into one), which the pass does not rewrite: its dtypes (and an engine "
+                "contract) would not hold there. Compile the checkpointed blocks one by one (torch.compile each decoder layer, "
+                "checkpoint around the compiled layer) or turn activation checkpointing off"
             )
 
 

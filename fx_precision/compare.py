@@ -588,6 +588,7 @@ class LogprobView:
     logprobs: list[torch.Tensor]
     vocab: int | None
     origin: str
+    prompt_recorded: bool = True  # an engine launched as users launch it returns no prompt log-probs (NaN placeholders)
 
 
 def logprob_view(dump: Dump) -> LogprobView | None:
@@ -602,7 +603,8 @@ def logprob_view(dump: Dump) -> LogprobView | None:
             if tensor is None:
                 raise PrecisionError(f"dump {dump.source}: sequence {i} has token ids but no log-prob record seq[{i}]")
             values.append(tensor.double())
-        return LogprobView(list(dump.sequences), values, None, "recorded")
+        prompt = not isinstance(dump.engine, dict) or bool(dump.engine.get("prompt_logprobs", True))
+        return LogprobView(list(dump.sequences), values, None, "recorded", prompt)
     logits, ids = _root_logits_and_ids(dump)
     if logits is None or ids is None or logits.dim() != 3 or ids.dim() != 2 or tuple(ids.shape) != tuple(logits.shape[:2]):
         return None
@@ -629,9 +631,9 @@ def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.shape == b.shape and bool(bit_equal(a, b).all())
 
 
-def _stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float]:
-    if a.numel() == 0:
-        return {"max": 0.0, "mean": 0.0, "k3_kl": 0.0, "bitwise_share": 1.0, "tokens": 0.0}
+def _stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float | None]:
+    if a.numel() == 0:  # nothing compared: no share to claim
+        return {"max": 0.0, "mean": 0.0, "k3_kl": 0.0, "bitwise_share": None, "tokens": 0.0}
     delta = (a - b).abs()
     log_ratio = b - a
     k3 = (log_ratio.exp() - 1) - log_ratio  # Schulman's K3 estimate of KL(a || b) on a's tokens
@@ -677,14 +679,18 @@ def logprob_metrics(da: Dump, db: Dump) -> dict[str, Any] | None:
                    for sa, sb in zip(va.sequences, vb.sequences, strict=True)]  # fmt: skip
     a, b = torch.cat(va.logprobs), torch.cat(vb.logprobs)
     is_generated = torch.cat([torch.arange(1, len(s.tokens)) >= p for s, p in zip(va.sequences, prompt_lens, strict=True)])
+    recorded = is_generated | torch.tensor(va.prompt_recorded and vb.prompt_recorded)  # prompt tokens a side did not record: left out
+    a, b, is_generated = a[recorded], b[recorded], is_generated[recorded]
     finite = torch.isfinite(a) & torch.isfinite(b)
     result: dict[str, Any] = {"comparable": True, "why": None, **_stats(a[finite], b[finite])}
     result["non_finite"] = int((~finite).sum())
     result["tokens"] = float(a.numel())
     result["prompt"] = _stats(a[finite & ~is_generated], b[finite & ~is_generated])
     result["generated"] = _stats(a[finite & is_generated], b[finite & is_generated])
+    kept = va.prompt_recorded and vb.prompt_recorded
+    result["prompt_recorded"] = kept
     result["sequences"] = [
-        {"tokens": len(s.tokens), "prompt_len": p, "bitwise": same_bits(x, y)}
+        {"tokens": len(s.tokens), "prompt_len": p, "bitwise": same_bits(x if kept else x[p - 1 :], y if kept else y[p - 1 :])}
         for s, p, x, y in zip(va.sequences, prompt_lens, va.logprobs, vb.logprobs, strict=True)
     ]
     result["origin"] = {"a": va.origin, "b": vb.origin}

@@ -172,12 +172,12 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
         if missing:  # before the others' failures: a rank killed is why its peers' collectives failed or were stopped
             how = ", ".join(f"rank {rank} {_exit_status(context.processes[rank].exitcode)}" for rank in missing)
             raise PrecisionError(f"{how} without a result: the run ended there (a rank killed, or out of memory: see the log above)")
+        for rank, (status, value) in outcomes.items():  # before "stopped": torch terminates a failed rank's peers
+            if status == "error":
+                raise RuntimeError(f"rank {rank} failed: {value}")
         stopped = [value for status, value in outcomes.values() if status == "stopped"]
         if stopped:
             raise Stopped(stopped[0])
-        for rank, (status, value) in outcomes.items():
-            if status == "error":
-                raise RuntimeError(f"rank {rank} failed: {value}")
         results = [outcomes[rank][1] for rank in range(world_size)]
     return results
 

@@ -273,3 +273,17 @@ def sleep_and_note_exit(rank: int, world_size: int, directory: str) -> None:
         time.sleep(300)
     finally:
         Path(directory, f"exited-{rank}").write_text("")
+
+
+def fail_on_rank_one(rank: int, world_size: int, directory: str) -> None:
+    """Rank 1 fails once rank 0 is blocked; torch's process context then terminates rank 0 (tests/test_lifetime.py)."""
+    import time
+    from pathlib import Path
+
+    if rank == 0:
+        sleep_and_note_exit(rank, world_size, directory)
+        return
+    deadline = time.monotonic() + 60
+    while not Path(directory, "started-0").exists() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    raise ValueError("rank one's own failure")

@@ -310,3 +310,66 @@ def test_per_block_compile_inside_fsdp2_inserts_no_gather_casts_and_reports_boun
             assert wide_inputs and all("cast_forward_inputs" in f["message"] for f in wide_inputs)
         else:
             assert wide_inputs == [] and all(r["stream_before"].get("fp32", 0) == 0 for r in reports)
+
+
+class _ScaledGelu(torch.autograd.Function):
+    """A custom autograd.Function (Bloom's GELU is one): Dynamo traces it as ``autograd_function_apply``."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x)
+        return F.gelu(x)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+        (x,) = ctx.saved_tensors
+        return torch.ops.aten.gelu_backward(grad, x)
+
+
+class _Block(nn.Module):
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + torch.tanh(self.up(x))
+
+
+class _Checkpointed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block = _Block()
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return checkpoint(self.block, self.embed(ids), use_reentrant=False)
+
+
+def test_activation_checkpointing_inside_the_graph_is_refused_and_a_custom_function_is_an_op() -> None:
+    """A checkpointed block traces into a nested graph the pass would not enforce: refused in one line naming the fix.
+    A custom autograd.Function is a higher-order op too, but one op of the outer graph: it compiles and is enforced
+    around."""
+    ids = torch.randint(0, 32, (2, 8))
+    backend = fxp.make_precision_backend(policy=fxp.PrecisionPolicy(compute=BF16), inner="aot_eager")
+    torch._dynamo.reset()
+    with pytest.raises(Exception, match=r"nested graph .* checkpoint around the compiled layer"), torch.autocast("cpu", dtype=BF16):
+        torch.compile(_Checkpointed(), backend=backend)(ids)
+
+    class WithFunction(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.up = nn.Linear(16, 16)
+
+        def forward(self, ids: torch.Tensor) -> torch.Tensor:
+            return self.up(_ScaledGelu.apply(self.embed(ids)))
+
+    torch._dynamo.reset()
+    model = WithFunction()
+    backend = fxp.make_precision_backend(policy=fxp.PrecisionPolicy(compute=BF16), inner="aot_eager")
+    with torch.autocast("cpu", dtype=BF16):
+        out = torch.compile(model, backend=backend)(ids)
+    assert out.dtype == BF16 and any(c.kind == "source-output" for r in backend.reports for c in r.casts)
+    torch._dynamo.reset()

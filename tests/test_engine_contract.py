@@ -438,7 +438,8 @@ def test_models_of_other_head_widths_compile_under_the_contract_in_one_process()
 
 def test_the_residual_sum_lives_for_one_forward_under_the_contract() -> None:
     """The fused add + norm's fp32 sum crosses a graph break inside the forward engine_rows opens, and no further: the
-    next graph's norm takes the exact sum, a forward that ends drops what it kept, and the ops refuse to run outside one."""
+    next graph's norm reads the exact sum (again on a recompute: read, not taken), a forward that ends drops what it
+    kept, and the ops refuse to run outside one."""
     from fx_precision.contract.batch_rows import active_forward
     from fx_precision.contract.ops import residual_add, unrounded_residual
 
@@ -447,11 +448,13 @@ def test_the_residual_sum_lives_for_one_forward_under_the_contract() -> None:
     with engine_rows(EngineRows(rows, rows, SOME_ORDER)):
         s = residual_add(a, b)
         assert s.dtype == BF16 and not torch.equal(s.float(), a.float() + b.float())
-        assert torch.equal(unrounded_residual(s), a.float() + b.float())  # taken once ...
-        assert torch.equal(unrounded_residual(s), s.float())  # ... and gone
+        assert torch.equal(unrounded_residual(s), a.float() + b.float())
+        assert torch.equal(unrounded_residual(s), a.float() + b.float())  # read again (a recompute): the same sum
+        s.copy_(s + 1)  # the tensor now holds other values: its entry is never used for them
+        assert torch.equal(unrounded_residual(s), s.float())
         residual_add(a, b)
         forward = active_forward()
-        assert forward is not None and len(forward.residual_sums) == 1
+        assert forward is not None and len(forward.residual_sums) == 2  # every sum of the forward, kept for its life
     assert active_forward() is None
     with engine_rows(EngineRows(rows, rows, SOME_ORDER)):
         copy = residual_add(a, b).clone()  # the same values in another tensor: not the sum's
@@ -605,6 +608,26 @@ def test_rollout_without_the_engine_is_one_line_naming_the_engine_environment(
 
 
 @pytest.mark.needs_transformers
+@pytest.mark.parametrize(
+    ("flags", "said"),
+    [(("--top-p", "0"), "--top-p 0.0: a share of the probability in (0, 1], 1 for all"),
+     (("--temperature", "0", "--top-k", "4"), "--temperature 0 is greedy: it draws the most likely token, so --top-k and --top-p")],
+)  # fmt: skip
+def test_sampler_settings_that_cannot_hold_are_one_line_before_the_engine(
+    flags: tuple[str, ...], said: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from fx_precision.tools.checkpoint import write_tiny_checkpoint
+    from fx_precision.tools.cli import main
+
+    checkpoint = write_tiny_checkpoint("qwen3", tmp_path / "ckpt")
+    capsys.readouterr()  # the checkpoint writer's progress
+    assert main(["rollout", "--model", str(checkpoint), *flags, "--out", str(tmp_path / "dump")]) == 2
+    err = capsys.readouterr().err
+    assert said in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    assert not (tmp_path / "dump").exists()
+
+
+@pytest.mark.needs_transformers
 def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     """FSDP2 on 2 gloo ranks, compiled whole with the contract's rewrites: the loss falls, masters and their
     gradients stay fp32, and the first step's gradients are within 5% (relative L2, every parameter) of the
@@ -650,3 +673,58 @@ def test_the_linear_probe_finds_fused_projections_stored_split_or_fused(arch: st
         parts = [stored[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"]
         assert torch.equal(qkv, torch.cat(parts)) and gate_up.shape[0] == 2 * stored["model.layers.0.mlp.up_proj.weight"].shape[0]
     assert lookup("model.layers.0.self_attn.nothing") is None
+
+
+@pytest.mark.needs_transformers
+def test_a_recompute_under_the_contract_gives_the_same_bits_or_is_refused_in_one_line() -> None:
+    """Activation checkpointing under the contract: each decoder layer compiled alone and checkpointed around (its
+    forward runs again in backward) gives the gradients of the run without checkpointing bit for bit, with the
+    backward inside engine_rows (the recompute reads the forward's row plan and residual sums again); outside it the
+    recompute refuses in one line; a whole-model compile that traces the checkpointed layers into nested graphs is
+    refused in one line (the pass does not rewrite inside them)."""
+    import torch._dynamo
+    from torch.utils.checkpoint import checkpoint
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from fx_precision.backend import make_precision_backend
+    from fx_precision.contract.linear_order import engine_linear_shapes
+
+    config = Qwen3Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+                         num_key_value_heads=2, head_dim=32, max_position_embeddings=64)  # fmt: skip
+    ids = torch.randint(0, 256, (1, 12), generator=torch.Generator().manual_seed(1))
+    rows = torch.full((1, 12), 12, dtype=torch.int32)
+
+    def run(checkpointed: bool, backward_inside: bool = True) -> dict[str, torch.Tensor]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).train()
+        orders = LinearOrders.uniform(engine_linear_shapes(model, input_ids=ids[:, :4]), [12], lambda k: candidate_orders(k, 1)[0])
+        contract = EngineContract(attention=AttentionArithmetic() if engine_kernels().cpu_has_amx() else VEC, linears=orders)
+        policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False, contract=contract)
+        backend = make_precision_backend(policy=policy, plan=policy.plan(model), inner="aot_eager")
+        for layer in model.model.layers:  # each block compiled alone, checkpointed around the compiled block
+            compiled = torch.compile(layer.forward, backend=backend)
+            layer.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(compiled) if checkpointed else compiled
+        with policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+            loss = model(input_ids=ids, use_cache=False).logits.float().sum()
+            if backward_inside:
+                loss.backward()
+        if not backward_inside:
+            loss.backward()
+        return {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+    plain, recomputed = run(False), run(True)
+    assert plain.keys() == recomputed.keys() and all(torch.equal(plain[n], recomputed[n]) for n in plain)
+    with pytest.raises(PrecisionError, match=r"ran outside fx_precision\.contract\.batch_rows\.engine_rows.*a recompute in backward"):
+        run(True, backward_inside=False)
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = Qwen3ForCausalLM(config).train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    orders = LinearOrders.uniform(engine_linear_shapes(model, input_ids=ids[:, :4]), [12], lambda k: candidate_orders(k, 1)[0])
+    policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False,
+                                 contract=EngineContract(attention=VEC, linears=orders))  # fmt: skip
+    whole = torch.compile(model, backend=make_precision_backend(policy=policy, plan=policy.plan(model), inner="aot_eager"))
+    with pytest.raises(Exception, match=r"holds a nested graph.*does not rewrite"):  # Dynamo wraps the backend's PrecisionError
+        with policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+            whole(input_ids=ids, use_cache=False)

@@ -89,3 +89,14 @@ def test_a_stop_signal_to_the_parent_stops_every_rank_in_seconds(signum: int, tm
     assert sorted(p.name for p in tmp_path.glob("exited-*")) == ["exited-0", "exited-1"]  # every rank's finally ran
     assert not [pid for pid in pids if _alive(pid)], "a rank outlived the run"
     assert "Traceback" not in err and "resource_tracker" not in err, err[-2000:]
+
+
+def test_a_failed_rank_is_reported_as_the_failure_not_as_its_peers_stop(tmp_path: Path) -> None:
+    """One rank raises; torch terminates its blocked peer (SIGTERM, which that peer reads as a stop). The caller gets the
+    failure with its message, not a Stopped that would read as if the user had stopped the run."""
+    from fx_precision.ranks import run_on_ranks
+    from tests.fsdp_workers import fail_on_rank_one
+
+    with pytest.raises(RuntimeError, match=r"rank 1 failed: ValueError: rank one's own failure"):
+        run_on_ranks(fail_on_rank_one, 2, str(tmp_path))
+    assert (tmp_path / "exited-0").exists()  # the peer was stopped, its finally block ran

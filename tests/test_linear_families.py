@@ -134,13 +134,17 @@ AVX2_CPU = {"avx2", "fma"}
 
 
 def test_the_cpu_families_are_read_off_the_flags_and_a_family_the_cpu_lacks_is_refused() -> None:
-    """Sapphire Rapids runs every family, a Zen 4 all but AMX, an AVX2 machine only its own; --isa of a family the CPU
-    lacks is one line naming the missing instructions and what this CPU can run as."""
+    """Sapphire Rapids runs every family, a Zen 4 all but AMX, an AVX2 machine only its own; only a narrower family than
+    the machine's caps oneDNN; --isa of a family the CPU lacks is one line naming the missing instructions and what this CPU can run as."""
     assert native_family(AMX_CPU) == CpuFamily.AMX and runnable_families(AMX_CPU) == list(CpuFamily)
     assert native_family(ZEN4_CPU) == CpuFamily.AVX512_BF16 and CpuFamily.AMX not in runnable_families(ZEN4_CPU)
     assert runnable_families(AVX2_CPU) == [CpuFamily.AVX2]
     assert family_settings("auto", ZEN4_CPU).family == CpuFamily.AVX512_BF16
     assert family_settings("avx2", AMX_CPU).environment() == {"ONEDNN_MAX_CPU_ISA": "AVX2"}
+    assert family_settings("avx512-bf16", AMX_CPU).environment() == {"ONEDNN_MAX_CPU_ISA": "AVX512_CORE_BF16"}
+    # the machine's own family caps nothing: the engine runs as its users launch it there
+    assert family_settings("auto", ZEN4_CPU).environment() == family_settings("avx512-bf16", ZEN4_CPU).environment() == {}
+    assert family_settings("avx2", AVX2_CPU).environment() == family_settings("auto", AMX_CPU).environment() == {}
     with pytest.raises(PrecisionError, match=r"--isa amx: this CPU lacks amx_tile, amx_bf16, so an engine here cannot run as amx; "
                                              r"it can run as avx512-bf16, avx512, avx2"):  # fmt: skip
         family_settings("amx", ZEN4_CPU)

@@ -14,7 +14,8 @@
     │               eager kernels, as the engine runs them (always: Inductor sums and approximates otherwise), at the
     │               ATen CPU capability the engine's ran at (``eager_math``: AVX512, AVX2; the vector width decides
     │               a reduction's order), which the training process must run at too
-    ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T)
+    ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T, renormalised
+    │               over what the request's top-k and top-p keep: logprobs.py)
     └── unmatched   the op classes the probes could not match, each with why: their value is None, and the
                     rewrite of a graph that has their pattern refuses with that reason (never a default)
 
@@ -139,7 +140,7 @@ class EngineContract:
     rotary: RotaryOp | None = field(default_factory=RotaryOp)
     attention: AttentionArithmetic | None = field(default_factory=AttentionArithmetic)
     linears: LinearOrders = field(default_factory=LinearOrders)
-    logprobs: LogprobForm = LogprobForm.RAW
+    logprobs: LogprobForm | None = LogprobForm.RAW  # None: the probe matched no form (unmatched says why)
     eager_math: str | None = None  # the ATen CPU capability of the engine's eager kernels (None: not recorded, in-code contracts)
     unmatched: tuple[tuple[OpClass, str], ...] = ()
     evidence: dict[str, Any] = field(default_factory=dict)  # what each probe found: candidates, their mismatches, the one kept
@@ -157,14 +158,15 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.attention: an AttentionArithmetic, got {type(self.attention).__name__}")
         if not isinstance(self.linears, LinearOrders):
             raise PrecisionError(f"EngineContract.linears: LinearOrders, got {type(self.linears).__name__}")
-        object.__setattr__(self, "logprobs", parse_enum(LogprobForm, self.logprobs, "EngineContract.logprobs"))
+        if self.logprobs is not None:
+            object.__setattr__(self, "logprobs", parse_enum(LogprobForm, self.logprobs, "EngineContract.logprobs"))
         if self.eager_math is not None and (not isinstance(self.eager_math, str) or not self.eager_math):
             raise PrecisionError(f"EngineContract.eager_math={self.eager_math!r}: the ATen CPU capability (e.g. AVX512) or null")
         unmatched = tuple((parse_enum(OpClass, c, "EngineContract.unmatched"), str(why)) for c, why in self.unmatched)
         object.__setattr__(self, "unmatched", unmatched)
         if not isinstance(self.evidence, dict):
             raise PrecisionError(f"EngineContract.evidence: a JSON object, got {type(self.evidence).__name__}")
-        missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention}
+        missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention, OpClass.LOGPROBS: self.logprobs}
         for op_class, value in missing.items():
             if value is None and op_class not in self.why_unmatched():
                 raise PrecisionError(f"EngineContract.{op_class}: none, and unmatched holds no reason (a probe matching nothing says why)")
@@ -190,7 +192,7 @@ class EngineContract:
             f"attention {self.attention.describe() if self.attention else 'unmatched'}",
             f"linears: {self.linears.describe()}",
             *([f"eager math at {self.eager_math}"] if self.eager_math else []),
-            f"log-probs {self.logprobs}",
+            f"log-probs {self.logprobs or 'unmatched'}",
         ]
         return f"{self.engine} {self.version or ''}: " + "; ".join(parts)
 
@@ -202,7 +204,7 @@ class EngineContract:
             "rotary": self.rotary.to_dict() if self.rotary is not None else None,
             "attention": self.attention.to_dict() if self.attention is not None else None,
             "linears": self.linears.to_dict(),
-            "logprobs": str(self.logprobs),
+            "logprobs": str(self.logprobs) if self.logprobs is not None else None,
             "eager_math": self.eager_math,
             "unmatched": [[str(c), why] for c, why in self.unmatched],
             "evidence": self.evidence,
@@ -231,6 +233,12 @@ class EngineContract:
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
+
+    def logprob_form(self, where: str = "the training side's log-probs") -> LogprobForm:
+        """The log-probs the engine returned, or the refusal where the probe matched no form (never a default)."""
+        if self.logprobs is None:
+            raise self.refused(OpClass.LOGPROBS, where)
+        return self.logprobs
 
     def with_attention(self, **changes: Any) -> EngineContract:
         if self.attention is None:
@@ -296,6 +304,10 @@ def contract_of_dump(dump: Any) -> EngineContract:
         )
     contract = EngineContract.from_dict(data)
     contract.check_evidence()
+    engine = getattr(dump, "engine", None) or {}
+    if engine.get("compiled"):  # refused before any model is built: every op class between its GEMMs computes otherwise
+        why = contract.why_unmatched().get(OpClass.NORM, "the engine ran compiled")
+        raise PrecisionError(f"dump {getattr(dump, 'source', dump)}: engine contract: {why}")
     return contract
 
 

@@ -60,7 +60,10 @@ def steps_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> li
     """For each sequence, the engine step that computed each of its rows (None: never computed).
 
     A row is the (position, token) it fed; a sequence's rows come in non-decreasing steps, and each
-    row of a step is one sequence's: sequences claim rows in order, the earliest step that fits."""
+    row of a step is one sequence's: sequences claim rows in order, the earliest step that fits. A row
+    no step fed for this sequence, whose whole prefix an earlier sequence shares (the engine's prefix
+    cache: G samples of one prompt, the KV of its blocks computed once), is the row that sequence fed:
+    its values came from that call."""
     available: Counter[tuple[int, int, int]] = Counter()
     where: dict[tuple[int, int], list[int]] = {}
     for i, rows in enumerate(steps):
@@ -68,7 +71,8 @@ def steps_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> li
             available[(i, position, token)] += 1
             if i not in where.setdefault((position, token), []):
                 where[(position, token)].append(i)
-    out = []
+    out: list[list[int | None]] = []
+    computed: dict[tuple[int, ...], int] = {}  # a prefix (tokens up to and with its last row) -> the step that computed that row
     for s in sequences:
         found: list[int | None] = []
         floor = 0
@@ -77,20 +81,26 @@ def steps_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> li
             if step is not None:
                 available[(step, r, int(token))] -= 1
                 floor = step
+            else:
+                step = computed.get(tuple(int(t) for t in s.tokens[: r + 1]))  # a prefix-cache hit
+            if step is not None:
+                computed.setdefault(tuple(int(t) for t in s.tokens[: r + 1]), step)
             found.append(step)
         out.append(found)
     return out
 
 
-def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]]) -> tuple[Counter[tuple[int, int]], Counter[int]]:
-    """The logits calls the plan assumes, (step, rows) -> count, and the requests each step samples for."""
+def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]],
+                     prompt_logprobs: bool = True) -> tuple[Counter[tuple[int, int]], Counter[int]]:  # fmt: skip
+    """The logits calls the plan assumes, (step, rows) -> count, and the requests each step samples for (a request's
+    prompt-log-prob call only where the engine was asked for prompt log-probs)."""
     predicted: Counter[tuple[int, int]] = Counter()
     requests: Counter[int] = Counter()
     for s, found in zip(sequences, step_of, strict=True):
         for step in set(f for f in found if f is not None):
             requests[step] += 1
             prompt_rows = sum(1 for q, f in enumerate(found) if f == step and q < s.prompt_len - 1)
-            if prompt_rows:
+            if prompt_rows and prompt_logprobs:
                 predicted[(step, prompt_rows)] += 1
     for step, n in requests.items():
         predicted[(step, n)] += 1
@@ -100,7 +110,7 @@ def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]]) 
 def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str | None:
     """None when the recorded logits computations are the ones the plan assumes, else what differs."""
     steps = _steps(engine)
-    predicted, _ = _predicted_calls(sequences, steps_of(sequences, steps))
+    predicted, _ = _predicted_calls(sequences, steps_of(sequences, steps), bool(engine.get("prompt_logprobs", True)))
     recorded = Counter((int(a), int(b)) for a, b in engine.get("logits_calls") or [])
     if recorded == predicted:
         return None
@@ -119,7 +129,8 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
         raise PrecisionError(
             f"the engine's row plan cannot be followed: {differs}. Roll out again with fx-precision rollout of this version"
         )
-    _, requests = _predicted_calls(sequences, step_of)
+    prompt_logprobs = bool(engine.get("prompt_logprobs", True))
+    _, requests = _predicted_calls(sequences, step_of, prompt_logprobs)
     plans = []
     for s, found in zip(sequences, step_of, strict=True):
         body = tuple(len(steps[f]) if f is not None else 0 for f in found)
@@ -129,7 +140,8 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
             if step is None or not with_logits:
                 logits.append(0)
             elif r < s.prompt_len - 1:
-                logits.append(sum(1 for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1))
+                prompt_rows = sum(1 for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1)
+                logits.append(prompt_rows if prompt_logprobs else 0)  # no prompt log-probs: those rows' logits never computed
             else:
                 logits.append(requests[step])
         plans.append(RowPlan(body, tuple(logits)))

@@ -15,6 +15,10 @@
                                                       out, its fp32 sum kept (in the forward engine_rows opens)
     fxp_engine::unrounded_residual(x) -> fp32         the next graph's norm input: the kept fp32 sum
                                                       when x is its rounding (checked), else x.float()
+        state     not pure functions of their tensors: residual_add writes, unrounded_residual reads, and linear
+                  reads the forward's state (ContractForward: its row plan and its sums), which lives while
+                  engine_rows is open; outside it they refuse in one line. A recompute inside it (activation
+                  checkpointing with backward inside engine_rows) reads the same state: the same bits
         backward  straight through, as an add's and a cast's
     fxp_engine::eager_math(x, op, dims, keepdim, exponent) -> out
         forward   torch's eager kernel for a reduction (mean, sum) or a transcendental (exp, cos, sin,
@@ -262,7 +266,8 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         raise PrecisionError(
             f"fxp_engine.linear at {where or '<root>'} ran outside fx_precision.contract.batch_rows.engine_rows(...): the engine's "
             "GEMM sums each row in an order that depends on the call that computed it, so a forward under the contract needs the "
-            "row plan of its batch"
+            "row plan of its batch (a recompute in backward, activation checkpointing, runs the forward again: call backward "
+            "inside it too)"
         )
     flat_x = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     plan = (rows.logits if logits else rows.body).reshape(-1)
@@ -314,8 +319,6 @@ engine_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
 # the residual stream across a graph break: the unrounded sum a fused add + norm normalises
 # ---------------------------------------------------------------------------------------------
 
-_KEEP = 4  # a graph's output sum is taken by the next graph's first norm: a few live at most
-
 
 def _key(x: torch.Tensor) -> tuple[Any, ...]:
     return (x.untyped_storage().data_ptr(), x.storage_offset(), tuple(x.shape), tuple(x.stride()), x.dtype)
@@ -327,7 +330,8 @@ def _sums(op: str) -> dict[tuple[Any, ...], torch.Tensor]:
     if forward is None:
         raise PrecisionError(
             f"fxp_engine.{op} ran outside fx_precision.contract.batch_rows.engine_rows(...): the fused add + norm hands its "
-            "unrounded sum across a graph break within one forward, and a forward under the contract runs inside engine_rows"
+            "unrounded sum across a graph break within one forward, and a forward under the contract runs inside engine_rows "
+            "(a recompute in backward, activation checkpointing, runs the forward again: call backward inside it too)"
         )
     return forward.residual_sums
 
@@ -339,10 +343,7 @@ def residual_add(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     (an FSDP2 unit, a block compiled alone) falls between the add and the norm."""
     exact = a.float() + b.float()
     out = exact.to(a.dtype)
-    table = _sums("residual_add")
-    table[_key(out)] = exact
-    while len(table) > _KEEP:
-        table.pop(next(iter(table)))
+    _sums("residual_add")[_key(out)] = exact  # kept for the forward's life: a recompute (activation checkpointing) reads it again
     return out
 
 
@@ -365,8 +366,9 @@ residual_add.register_autograd(_residual_add_backward, setup_context=_residual_a
 @torch.library.custom_op("fxp_engine::unrounded_residual", mutates_args=())
 def unrounded_residual(x: torch.Tensor) -> torch.Tensor:
     """``x`` in fp32: the fp32 sum ``residual_add`` kept for it when ``x`` is that sum's bf16 rounding
-    (checked element by element, so a stale entry is never used), else ``x.float()``."""
-    exact = _sums("unrounded_residual").pop(_key(x), None)
+    (checked element by element, so a stale entry is never used), else ``x.float()``. Read, not taken: a recompute of
+    the forward (activation checkpointing) inside the same ``engine_rows`` gets the same sum, the same bits."""
+    exact = _sums("unrounded_residual").get(_key(x))
     if exact is not None and exact.shape == x.shape and torch.equal(exact.to(x.dtype), x):
         return exact
     return x.float().clone() if x.dtype == torch.float32 else x.float()  # never the input itself: the output is a fresh buffer

@@ -154,8 +154,11 @@ def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: 
     made = []
     for q_rows, keys in shape:
         k = (torch.randn(keys, kv_heads, dim, generator=gen) * 2).to(torch.bfloat16)
-        v = torch.ones(keys, kv_heads, dim, dtype=torch.bfloat16) if unit_values else torch.randn(keys, kv_heads, dim, generator=gen).to(
-            torch.bfloat16)
+        v = (
+            torch.ones(keys, kv_heads, dim, dtype=torch.bfloat16)
+            if unit_values
+            else torch.randn(keys, kv_heads, dim, generator=gen).to(torch.bfloat16)
+        )
         made.append(((torch.randn(keys, heads, dim, generator=gen) * 2).to(torch.bfloat16)[keys - q_rows :].clone(), k, v))
     return made
 
@@ -466,14 +469,19 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
 
     ``generation.sampled_logits`` is (step, the logits calls of that step); every row of them is held against
     every (sequence, position) the step computed and sampled after: the log-prob the engine returned for that
-    token against the fp32 ``log_softmax`` of the logits as they are (raw) and of the fp32 logits divided by the
-    temperature (processed). A row is checked where one candidate gives a returned value bit for bit; the form
-    kept is the one every checked row gives. At temperature 0 or 1 both forms are one computation."""
+    token against the fp32 ``log_softmax`` of the logits as they are (raw) and as the sampler drew from them
+    (processed: at the temperature, renormalised over the request's top-k and top-p; logprobs.processed_logprobs).
+    A row is checked where one candidate gives a returned value bit for bit; the form kept is the one every checked
+    row gives. With no top-k or top-p, at temperature 0 or 1 both forms are one computation."""
+    from fx_precision.logprobs import masks, processed_logprobs
+
     captured = generation.sampled_logits
     if captured is None:
         return None, {"why": "the engine's sampled logits were not captured"}
     step, calls = captured
     temperature = float(generation.temperature)
+    top_k, top_p = int(getattr(generation, "top_k", 0)), float(getattr(generation, "top_p", 1.0))
+    one = temperature in (0.0, 1.0) and not masks(top_k, top_p)  # raw and processed are one computation
     candidates = _sampled_rows(generation.sequences, generation.steps, int(step))
     if not candidates:
         return None, {"why": f"no sampled token was computed at step {step}"}
@@ -484,9 +492,7 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
     for logits in calls:
         x = logits.float()
         by_form = {LogprobForm.RAW: torch.log_softmax(x, -1)}
-        same = temperature in (0.0, 1.0)
-        divisor = torch.full((x.shape[0], 1), temperature, dtype=torch.float32)  # as the sampler divides: a [rows, 1] fp32 divisor
-        by_form[LogprobForm.PROCESSED] = by_form[LogprobForm.RAW] if same else torch.log_softmax(x / divisor, -1)
+        by_form[LogprobForm.PROCESSED] = by_form[LogprobForm.RAW] if one else processed_logprobs(x, temperature, top_k, top_p)
         for r in range(x.shape[0]):
             rows += 1
             for form in forms:
@@ -494,13 +500,14 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
                 if any(float(lp[generation.sequences[s].tokens[p + 1]]) == value for (s, p), value in wanted.items()):
                     checked[form] += 1
     evidence: dict[str, Any] = {
-        "step": int(step), "temperature": temperature, "logits rows": rows, "sampled tokens at the step": len(candidates),
+        "step": int(step), "temperature": temperature, "top_k": top_k, "top_p": top_p, "logits rows": rows,
+        "sampled tokens at the step": len(candidates),
         "rows given": {str(f): n for f, n in checked.items()},
     }  # fmt: skip
     best = max(forms, key=lambda f: checked[f])
     if checked[best] == 0:
         return None, {**evidence, "why": "no candidate gives the returned log-probs"}
-    if temperature in (0.0, 1.0):  # one computation: either name holds
+    if one:  # one computation: either name holds
         evidence["kept"] = str(LogprobForm.RAW)
         return LogprobForm.RAW, evidence
     if checked[LogprobForm.RAW] and checked[LogprobForm.PROCESSED]:

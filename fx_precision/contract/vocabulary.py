@@ -63,7 +63,7 @@ class LaneSum(TextEnum):
 
 class LogprobForm(TextEnum):
     RAW = "raw"  # fp32 log_softmax of the bf16 logits; the sampling temperature does not enter (vLLM's default)
-    PROCESSED = "processed"  # fp32 log_softmax of the fp32 logits divided by the temperature (what the sampler drew from)
+    PROCESSED = "processed"  # fp32 log_softmax of the fp32 logits / T over what top-k / top-p keep (what the sampler drew from)
 
 
 E = TypeVar("E", bound=TextEnum)

@@ -43,26 +43,38 @@ class RolloutConfig:
     seed: int = 0
     temperature: float = 1.0
     samples: int = 1  # samples of each prompt (GRPO's group)
+    top_k: int = 0  # the sampler keeps the k most likely tokens (0: all)
+    top_p: float = 1.0  # ... and the fewest whose probabilities sum past p (1: all)
     modules: bool = False
     threads: int = 1
     custom_ops: str = "default"  # vLLM: "default" (its choice: the C++ rotary on CPU) | "none" (native torch forms)
     split_kv: str = "default"  # vLLM: "default" (the environment's VLLM_CPU_ATTN_SPLIT_KV: on) | "on" | "off"
     isa: str = "auto"  # vLLM: "auto" (what it picks on this machine) | "avx2" | "avx512" (another kernel build)
     logprobs: str = "raw"  # "raw" (of the logits as they are) | "processed" (of the logits at the temperature)
+    launch: str = "eager"  # vLLM: "defaults" (as users launch it: compile on, prefix caching, chunked prefill) | "eager"
+    prompt_logprobs: bool = True  # the prompt tokens' log-probs too (users sample without: logprobs of the samples only)
     max_model_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.samples)
+        check_sampling(self.temperature, self.samples, self.top_k, self.top_p)
 
 
-def check_sampling(temperature: float, samples: int) -> None:
-    """Greedy sampling (temperature 0) draws one answer per prompt: several samples of it are one sample repeated."""
+def check_sampling(temperature: float, samples: int, top_k: int = 0, top_p: float = 1.0) -> None:
+    """Greedy sampling (temperature 0) draws one answer per prompt: several samples of it are one sample repeated, and
+    top-k or top-p change nothing of it; top-k is a count (0: off), top-p a share in (0, 1] (1: off)."""
     if float(temperature) == 0.0 and samples > 1:
         raise PrecisionError(
             f"--temperature 0 is greedy: it draws one answer per prompt, so --samples {samples} would repeat it; use --samples 1, "
             "or a temperature above 0"
         )
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+        raise PrecisionError(f"--top-k {top_k!r}: a count of tokens, 0 for all")
+    if not 0.0 < float(top_p) <= 1.0:
+        raise PrecisionError(f"--top-p {top_p!r}: a share of the probability in (0, 1], 1 for all")
+    if float(temperature) == 0.0 and (top_k > 0 or top_p < 1.0):
+        raise PrecisionError("--temperature 0 is greedy: it draws the most likely token, so --top-k and --top-p change nothing; "
+                             "drop them, or sample at a temperature above 0")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -74,9 +86,12 @@ class SamplingRequest:
     max_tokens: int
     temperature: float = 1.0
     samples: int = 1
+    prompt_logprobs: bool = True  # the log-probs of the prompt tokens too (they add logits calls to the engine's steps)
+    top_k: int = 0
+    top_p: float = 1.0
 
     def __post_init__(self) -> None:
-        check_sampling(self.temperature, self.samples)
+        check_sampling(self.temperature, self.samples, self.top_k, self.top_p)
 
 
 @dataclass
@@ -92,6 +107,8 @@ class Generation:
     extra: dict[str, Any] = field(default_factory=dict)  # engine-specific observations (how it called its norms, ...)
     sampled_logits: tuple[int, tuple[torch.Tensor, ...]] | None = None  # (step, its logits calls): the log-prob probe's evidence
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
 
 @dataclass

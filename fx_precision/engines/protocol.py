@@ -64,14 +64,19 @@ class Generate(Message):
     max_tokens: int
     temperature: float
     samples: int
+    prompt_logprobs: bool = True
+    top_k: int = 0
+    top_p: float = 1.0
 
     @classmethod
     def of(cls, request: SamplingRequest) -> Generate:
-        return cls([list(p) for p in request.prompts], request.max_tokens, request.temperature, request.samples)
+        return cls([list(p) for p in request.prompts], request.max_tokens, request.temperature, request.samples, request.prompt_logprobs,
+                   request.top_k, request.top_p)  # fmt: skip
 
     def sampling(self) -> SamplingRequest:
         prompts = tuple(tuple(int(t) for t in p) for p in self.prompts)
-        return SamplingRequest(prompts, int(self.max_tokens), float(self.temperature), int(self.samples))
+        return SamplingRequest(prompts, int(self.max_tokens), float(self.temperature), int(self.samples), bool(self.prompt_logprobs),
+                               int(self.top_k), float(self.top_p))  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -116,12 +121,14 @@ class Generated(Message):
     seconds: float
     extra: dict[str, Any] = field(default_factory=dict)
     temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
 
     @classmethod
     def of(cls, g: Generation) -> Generated:
         return cls([[list(s.tokens), s.prompt_len] for s in g.sequences], [lp.tolist() for lp in g.logprobs],
                    [[list(r) for r in rows] for rows in g.steps], [list(c) for c in g.logits_calls], g.seconds, g.extra,
-                   g.temperature)  # fmt: skip
+                   g.temperature, g.top_k, g.top_p)  # fmt: skip
 
     def generation(self) -> Generation:
         """The Generation the server's engine made (its sampled logits, the probe's evidence, stay in the engine)."""
@@ -129,7 +136,8 @@ class Generated(Message):
         logprobs = [torch.tensor(lp, dtype=torch.float32) for lp in self.logprobs]
         steps = [[(int(p), int(t)) for p, t in rows] for rows in self.steps]
         calls = [(int(a), int(b)) for a, b in self.logits_calls]
-        return Generation(sequences, logprobs, steps, calls, float(self.seconds), dict(self.extra), None, float(self.temperature))
+        return Generation(sequences, logprobs, steps, calls, float(self.seconds), dict(self.extra), None, float(self.temperature),
+                          int(self.top_k), float(self.top_p))  # fmt: skip
 
 
 @dataclass(frozen=True)

@@ -59,7 +59,8 @@ def run_rollout(cfg: RolloutConfig) -> Dump:
     """Start the engine, generate with log-probs, optionally record module outputs, probe its arithmetic (module docstring)."""
     session = engine_adapter(cfg.engine).start(cfg)
     try:
-        generation = session.generate(SamplingRequest(cfg.prompts, cfg.max_tokens, cfg.temperature, cfg.samples))
+        generation = session.generate(SamplingRequest(cfg.prompts, cfg.max_tokens, cfg.temperature, cfg.samples, cfg.prompt_logprobs,
+                                                      cfg.top_k, cfg.top_p))  # fmt: skip
         module_pass = session.record_modules(generation.sequences, cfg.temperature) if cfg.modules else None
         contract = session.probe(generation, module_pass)
         return engine_dump(session.config, session.describe(), generation, module_pass, contract, cfg.seed, cfg.samples)
@@ -78,6 +79,8 @@ def engine_dump(config: Any, info: dict[str, Any], generation: Generation, modul
         **info,
         "generate_seconds": round(generation.seconds, 3),
         "temperature": generation.temperature,
+        "top_k": generation.top_k,  # the sampler's top-k and top-p (0 and 1: off); processed log-probs are renormalised over them
+        "top_p": generation.top_p,
         "seed": seed,
         "samples": samples,
         "steps": generation.steps,  # each forward's rows: [position, token]

@@ -1,10 +1,10 @@
 """The trainer's fixed-shape micro-batches of a step's sequences, and their log-probs in the engine's form.
 
-    micro_batches(data, plans, orders, rank, world, size, length)   rank r's sequences (r, r + R, ...), right-padded to
-                                                                   one shape (one compiled graph), the same count on
-                                                                   every rank (FSDP2's gathers are collectives)
-    forward_logprobs(side, batch, form, temperature)              [rows, length - 1] log-probs of every next token in
-                                                                   the form the contract read off the engine
+micro_batches(data, plans, orders, rank, world, size, length)   rank r's sequences (r, r + R, ...), right-padded to
+                                                               one shape (one compiled graph), the same count on
+                                                               every rank (FSDP2's gathers are collectives)
+forward_logprobs(side, batch, form, T, top_k, top_p)          [rows, length - 1] log-probs of every next token in
+                                                               the form the contract read off the engine
 """
 
 from __future__ import annotations
@@ -73,9 +73,11 @@ def micro_batches(data: StepData, plans: Sequence[Any] | None, orders: Any, rank
     return batches
 
 
-def forward_logprobs(side: Any, batch: MicroBatch, form: LogprobForm, temperature: float) -> torch.Tensor:
-    """[rows, length - 1] log-probs of every next token, in ``form`` (the contract's: the log-probs the engine returned)."""
+def forward_logprobs(side: Any, batch: MicroBatch, form: LogprobForm, temperature: float, top_k: int = 0,
+                     top_p: float = 1.0) -> torch.Tensor:  # fmt: skip
+    """[rows, length - 1] log-probs of every next token, in ``form`` (the contract's: the log-probs the engine returned)
+    after the sampler's ``temperature``, ``top_k`` and ``top_p`` where the form is processed (logprobs.py)."""
     from fx_precision.logprobs import token_logprobs
 
     logits = side.logits(batch.ids, batch.rows)
-    return token_logprobs(logits, batch.ids, form, temperature, batch.prompt_lens)
+    return token_logprobs(logits, batch.ids, form, temperature, batch.prompt_lens, top_k, top_p)

@@ -24,6 +24,8 @@ class OnPolicyConfig:
     samples: int = 4
     max_tokens: int = 8
     temperature: float = 1.0
+    top_k: int = 0  # the sampler's top-k (0: off) and top-p (1: off); the log-probs are the processed ones over what they keep
+    top_p: float = 1.0
     world_size: int = 2
     compiled: bool = True
     contract: str = "vllm"
@@ -56,7 +58,7 @@ class OnPolicyConfig:
         from fx_precision.engines.adapter import check_sampling
         from fx_precision.engines.client import EngineTimeouts
 
-        check_sampling(self.temperature, self.samples)
+        check_sampling(self.temperature, self.samples, self.top_k, self.top_p)
         EngineTimeouts(float(self.engine_timeout))  # its bounds, checked before anything starts
         if self.prompts is None and not self.prompt_lens:
             raise PrecisionError("an on-policy run needs --prompts FILE or --prompt-lens N,N,...")

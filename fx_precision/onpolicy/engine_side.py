@@ -1,15 +1,15 @@
 """Rank 0's engine in the on-policy loop: a live engine in its own process, the weights it runs, step 0's contract.
 
-    EngineSide(cfg, python, root, vocab)    the engine started on the run's checkpoint (engines/client.EngineProcess),
-    │                                       the positions the run needs, processed log-probs, split-KV off
-    ├── sync(weights) -> digest             the trainer's bf16 weights loaded in place; the engine's digest of what it
-    │                                       loaded must be the trainer's
-    ├── fixed_logprobs() -> digest          one fixed sequence's prompt log-probs: they change when the weights do
-    ├── rollout(prompts, step) -> StepData  P prompts x G samples in one engine call
-    ├── contract(step)                      the contract of that generation: every op class matched, the graph-fixed
-    │                                       ones those of step 0 (the trainer's graphs were compiled to them)
-    ├── record(run_dir, step, modules)      the step's checkpoint and rollout dump, written whole into DIR
-    └── close()                             the engine stopped, its weights file removed
+EngineSide(cfg, python, root, vocab)    the engine started on the run's checkpoint (engines/client.EngineProcess),
+│                                       the positions the run needs, processed log-probs, split-KV off
+├── sync(weights) -> digest             the trainer's bf16 weights loaded in place; the engine's digest of what it
+│                                       loaded must be the trainer's
+├── fixed_logprobs() -> digest          one fixed sequence's prompt log-probs: they change when the weights do
+├── rollout(prompts, step) -> StepData  P prompts x G samples in one engine call
+├── contract(step)                      the contract of that generation: every op class matched, the graph-fixed
+│                                       ones those of step 0 (the trainer's graphs were compiled to them)
+├── record(run_dir, step, modules)      the step's checkpoint and rollout dump, written whole into DIR
+└── close()                             the engine stopped, its weights file removed
 """
 
 from __future__ import annotations
@@ -67,7 +67,8 @@ class EngineSide:
 
     def rollout(self, prompts: tuple[tuple[int, ...], ...], step: int) -> StepData:
         cfg = self.cfg
-        self._last = self.process.generate(SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples))
+        request = SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples, top_k=cfg.top_k, top_p=cfg.top_p)
+        self._last = self.process.generate(request)
         g = self._last
         return StepData(g.sequences, g.logprobs, g.steps, g.logits_calls)
 

@@ -240,7 +240,7 @@ def _logprob_form(data: StepData) -> Any:
     """The log-probs the engine returned: the contract's reading of them, else the loop's request (processed at T)."""
     from fx_precision.contract.vocabulary import LogprobForm
 
-    return data.contract.logprobs if data.contract is not None else LogprobForm.PROCESSED
+    return data.contract.logprob_form() if data.contract is not None else LogprobForm.PROCESSED
 
 
 def recompute(r: Rank, s: StepState) -> None:
@@ -253,7 +253,7 @@ def recompute(r: Rank, s: StepState) -> None:
     s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.micro_batch, r.cfg.longest())
     with compile_limits(8), torch.no_grad():
         for batch in s.batches:
-            lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature)
+            lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
             for row, i in enumerate(batch.index):
                 if i >= 0:
                     s.recompute[i] = lp[row].clone()
@@ -270,7 +270,7 @@ def train(r: Rank, s: StepState) -> None:
     r.optimizer.zero_grad(set_to_none=True)
     with compile_limits(8):
         for batch in s.batches:
-            lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature)
+            lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
             rollout_lp = torch.zeros_like(lp)
             weight = torch.zeros_like(lp)
             for row, i in enumerate(batch.index):

@@ -640,6 +640,15 @@ def cmd_checkpoint(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_top_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--top-k", type=bounded_int("--top-k", 0, 2**31 - 1), default=0, help="sample among the k most likely tokens (0: all)")
+    p.add_argument(
+        "--top-p", type=bounded_float("--top-p", 0.0, 1.0), default=1.0,
+        help="sample among the fewest most likely tokens whose probabilities sum past p (1: all; must be above 0); the processed "
+        "log-probs are renormalised over what top-k and top-p keep, and the training side computes them so",
+    )  # fmt: skip
+
+
 def _checkpoint_parser(sub: Any) -> None:
     p = sub.add_parser(
         "checkpoint",
@@ -672,9 +681,11 @@ def _start_as_family(isa: str) -> None:
     """Where ``--isa`` needs a variable oneDNN reads once, at its first use, and this process lacks it, run this command
     again in a process that has it from its start (cpu_family.py)."""
     from fx_precision.engines.vllm.cpu_family import family_settings
+    from fx_precision.engines.vllm.session import import_vllm
 
     missing = {k: v for k, v in family_settings(isa).environment().items() if os.environ.get(k) != v}
     if missing:
+        import_vllm()  # an environment without the engine says so here, not in a process started for it
         sys.stdout.flush()
         sys.stderr.flush()
         os.execve(sys.executable, [sys.executable, "-m", "fx_precision", *Parser.argv], {**os.environ, **missing})
@@ -693,15 +704,20 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine, args.isa)
     cfg = RolloutConfig(
         model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
-        samples=args.samples, temperature=args.temperature, logprobs=args.logprobs, threads=args.threads, custom_ops=args.custom_ops,
-        split_kv=args.split_kv, isa=args.isa,
+        samples=args.samples, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, logprobs=args.logprobs,
+        custom_ops=args.custom_ops,
+        threads=args.threads or (1 if args.launch == "eager" else os.cpu_count() or 1),
+        split_kv=args.split_kv, isa=args.isa, launch=args.launch,
+        prompt_logprobs=args.prompt_logprobs if args.prompt_logprobs is not None else args.launch == "eager",
     )  # fmt: skip
     dump = run_rollout(cfg)
     dump.save(args.out, overwrite=args.overwrite)
     contract = EngineContract.from_dict(dump.contract)
     engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls", "module_steps", "module_logits_calls")}
     sequences = [{"prompt_len": s.prompt_len, "tokens": len(s.tokens)} for s in dump.sequences]
-    values = [r.tensor for r in dump.logprob_records() if r.tensor is not None]
+    prompt_recorded = bool((dump.engine or {}).get("prompt_logprobs", True))
+    values = [r.tensor if prompt_recorded else r.tensor[s.prompt_len - 1 :]
+              for s, r in zip(dump.sequences, dump.logprob_records(), strict=True) if r.tensor is not None]  # fmt: skip
     non_finite = sum(int((~torch.isfinite(v)).sum()) for v in values)
     total = sum(int(v.numel()) for v in values)
     data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences, "non_finite_logprobs": non_finite}
@@ -740,12 +756,22 @@ def _rollout_parser(sub: Any) -> None:
     p.add_argument("--max-tokens", type=bounded_int("--max-tokens", 1, 4096), default=8, help="tokens sampled per prompt (default 8)")
     p.add_argument("--samples", type=bounded_int("--samples", 1, 64), default=1, help="samples of each prompt, in one call (default 1)")
     p.add_argument("--temperature", type=bounded_float("--temperature", 0.0, 10.0), default=1.0, help="sampling temperature (default 1)")
+    _add_top_args(p)
     p.add_argument(
         "--logprobs", choices=["raw", "processed"], default="raw",
-        help="the log-probs the engine returns: of the logits as they are (raw, vLLM's default) or at the temperature (processed)",
+        help="the log-probs the engine returns: of the logits as they are (raw, vLLM's default) or as the sampler drew from "
+        "them (processed: at the temperature, renormalised over --top-k / --top-p)",
     )  # fmt: skip
     p.add_argument("--modules", action="store_true", help="also record every module's inputs and outputs (one prefill per sequence)")
-    p.add_argument("--threads", type=bounded_int("--threads", 1, 256), default=1, help="the engine's OpenMP threads (default 1)")
+    p.add_argument(
+        "--threads", type=bounded_int("--threads", 1, 256), default=None,
+        help="the engine's OpenMP threads (default: 1 with --launch eager, the machine's cores with --launch defaults)",
+    )  # fmt: skip
+    p.add_argument(
+        "--prompt-logprobs", action=argparse.BooleanOptionalAction, default=None,
+        help="ask the engine for the prompt tokens' log-probs too (default: yes with --launch eager, no with --launch defaults, "
+        "as users sample: they add logits calls to the engine's steps)",
+    )  # fmt: skip
     p.add_argument("--custom-ops", choices=["default", "none"], default="default", help="vLLM's custom ops (none: native torch forms)")
     p.add_argument(
         "--split-kv",
@@ -754,6 +780,14 @@ def _rollout_parser(sub: Any) -> None:
         help="vLLM's split-KV CPU attention with --threads > 1 (default: the environment's VLLM_CPU_ATTN_SPLIT_KV, on in vLLM); "
         "the engine contract follows off",
     )
+    p.add_argument(
+        "--launch", choices=["defaults", "eager"], default="eager",
+        help="how vLLM is launched: defaults (as users launch it: LLM(model, dtype=bfloat16, seed=S), compile on, prefix "
+        "caching, chunked prefill, its cores; the contract refuses it, naming why) or eager (enforce_eager, no prefix "
+        "caching, 1 thread: the engine the contract follows). Either way the rollout sets, for its own needs: the engine in "
+        "this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), a KV cache of 1 GiB, no thread binding, at most 4,096 positions, "
+        "no tokenizer (token-id prompts); all recorded in the dump",
+    )  # fmt: skip
     p.add_argument(
         "--isa", choices=ISA_CHOICES, default="auto",
         help="run the engine as this CPU family would (a test device for developers and CI: oneDNN's ISA cap, vLLM's kernel "
@@ -775,6 +809,7 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
     cfg = OnPolicyConfig(
         checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
         prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
+        top_k=args.top_k, top_p=args.top_p,
         world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
         micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
         engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite,
@@ -819,6 +854,7 @@ def _onpolicy_parser(sub: Any) -> None:
     p.add_argument("--samples", type=bounded_int("--samples", 1, 64), default=4, help="G: samples of each prompt (default 4)")
     p.add_argument("--max-tokens", type=bounded_int("--max-tokens", 1, 4096), default=8, help="tokens sampled per sample (default 8)")
     p.add_argument("--temperature", type=bounded_float("--temperature", 0.0, 10.0), default=1.0, help="sampling temperature (default 1)")
+    _add_top_args(p)
     p.add_argument(
         "--world-size", type=bounded_int("--world-size", 1, _max_ranks, RANKS_WHY), default=2, help="FSDP2 gloo ranks (default 2)"
     )

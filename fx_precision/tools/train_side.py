@@ -68,21 +68,32 @@ def _forward_all(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> 
         _forward_each(side, dump, out, rows)
 
 
-def logprob_form(dump: Dump, policy: Any) -> tuple[LogprobForm, float]:
-    """The log-probs the engine returned (its contract's form, else its recorded mode) and its sampling temperature."""
+@dataclass(frozen=True)
+class EngineLogprobs:
+    """The log-probs an engine returned: their form (its contract's, else its recorded mode) and the sampler's
+    processing they went through (temperature, top-k, top-p; logprobs.py)."""
+
+    form: LogprobForm
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+
+def logprob_form(dump: Dump, policy: Any) -> EngineLogprobs:
+    """The log-probs ``dump``'s engine returned (EngineLogprobs)."""
     engine = dump.engine or {}
     contract = getattr(policy, "contract", None)
-    form = contract.logprobs if contract is not None else LogprobForm(str(engine.get("logprobs", "raw")))
-    return form, float(engine.get("temperature", 1.0))
+    form = contract.logprob_form() if contract is not None else LogprobForm(str(engine.get("logprobs", "raw")))
+    return EngineLogprobs(form, float(engine.get("temperature", 1.0)), int(engine.get("top_k", 0)), float(engine.get("top_p", 1.0)))
 
 
 def _forward_each(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
-    form, temperature = logprob_form(dump, side.policy)
+    lps = logprob_form(dump, side.policy)
     for sequence, plan in zip(dump.sequences, rows, strict=True):
         tokens = torch.tensor([sequence.tokens])
         with torch.no_grad():
             logits = side.logits(tokens, plan)
-        lp = token_logprobs(logits, tokens, form, temperature, [sequence.prompt_len])[0]
+        lp = token_logprobs(logits, tokens, lps.form, lps.temperature, [sequence.prompt_len], lps.top_k, lps.top_p)[0]
         out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), lp)
 
 

@@ -1,7 +1,8 @@
 """The on-policy loop against a live vLLM: FSDP2 on 2 gloo ranks, compiled, G = 4, weights synced every step.
 
     under the contract, the rollout's log-probs, the recompute's and the first training forward's are one bit pattern
-    for every sampled token of every step (ratio exactly 1), at T = 1.0 (Qwen3-style) and T = 0.7 (Llama-style)
+    for every sampled token of every step (ratio exactly 1), at T = 1.0 (Qwen3-style) and T = 0.7 with top-k 64 and
+    top-p 0.95 (Llama-style)
     the weights change every step, and a separate `fx-precision rollout` of DIR's final checkpoint gives the last
     rollout's log-probs bit for bit: the engine ran the trainer's weights
     as users run it today (--contract none) every step mismatches, reported the same way; the reward rises either way
@@ -57,11 +58,11 @@ def report(out: Path) -> dict[str, Any]:
 def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("onpolicy")
     made: dict[str, Any] = {}
-    for arch, temperature in (("qwen3", "1.0"), ("llama", "0.7")):
+    for arch, temperature, top in (("qwen3", "1.0", ()), ("llama", "0.7", ("--top-k", "64", "--top-p", "0.95"))):
         checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=5, dims=SHAPES[arch])
         out = root / f"run-{arch}"
-        onpolicy(checkpoint, out, "--steps", str(STEPS), "--temperature", temperature, "--world-size", "2", "--compiled")
-        made[arch] = {"checkpoint": checkpoint, "out": out, "report": report(out), "temperature": temperature}
+        onpolicy(checkpoint, out, "--steps", str(STEPS), "--temperature", temperature, *top, "--world-size", "2", "--compiled")
+        made[arch] = {"checkpoint": checkpoint, "out": out, "report": report(out), "temperature": temperature, "top": top}
     out = root / "run-none"
     onpolicy(made["qwen3"]["checkpoint"], out, "--steps", str(STEPS), "--world-size", "2", "--compiled", "--contract", "none",
              "--mode", "audit")  # fmt: skip
@@ -87,6 +88,8 @@ def test_every_sampled_log_prob_of_every_step_is_one_bit_pattern_on_both_sides(r
         assert s["prompt_mismatches"] == 0 and s["prompt_tokens"] > 0, s
     assert data["config"]["world_size"] == 2 and data["config"]["compiled"] and data["config"]["samples"] == SAMPLES
     assert float(data["config"]["temperature"]) == float(runs[arch]["temperature"])
+    if runs[arch]["top"]:  # Llama samples with top-k and top-p: the processed log-probs renormalised over what they keep
+        assert (data["config"]["top_k"], data["config"]["top_p"]) == (64, 0.95)
     assert _rising(steps), [s["reward"] for s in steps]
 
 
@@ -112,7 +115,7 @@ def test_the_weights_change_every_step_and_the_engine_ran_the_trainers(runs: dic
     again = tmp_path / "again"
     done = subprocess.run([*CLI, "rollout", "--model", str(last / "checkpoint"), "--prompts", str(tmp_path / "prompts.json"),
                            "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS), "--temperature", runs[arch]["temperature"],
-                           "--logprobs", "processed", "--split-kv", "off", "--out", str(again)],
+                           *runs[arch]["top"], "--logprobs", "processed", "--split-kv", "off", "--out", str(again)],
                           capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     independent = load_dump(str(again))
@@ -161,9 +164,14 @@ def test_bad_input_is_one_line_before_a_rank_or_the_engine_starts(runs: dict[str
         (("--temperature", "0"), "--temperature 0 is greedy"),  # vLLM refuses n > 1 at temperature 0: refused first
         (("--prompts", str(tmp_path / "outside.json")), "prompt 1: token id 4096 is outside the vocabulary"),
         (("--prompt-lens", "2040,9"), "the run needs 2049 positions"),  # what the loop adds counted: 2040 + 8 sampled + 1
-        *([(("--prompts", str(tmp_path / "short.json")), f"needs prompts of at least {shortest} tokens"),
-           (("--prompt-lens", "3,9"), f"--prompt-lens 3: this engine build needs prompts of at least {shortest} tokens")]
-          if shortest > 3 else []),
+        *(
+            [
+                (("--prompts", str(tmp_path / "short.json")), f"needs prompts of at least {shortest} tokens"),
+                (("--prompt-lens", "3,9"), f"--prompt-lens 3: this engine build needs prompts of at least {shortest} tokens"),
+            ]
+            if shortest > 3
+            else []
+        ),
         (("--plot", str(tmp_path / "plot.svg")), "--plot"),
         (("--engine-python", str(tmp_path / "no-python")), "no such file"),
     ]

@@ -190,6 +190,7 @@ def test_overwrite_of_a_live_run_is_refused_and_touches_nothing(checkpoint: Path
     run.wait_steps(1)
     second = subprocess.run([*CLI, "onpolicy", "--model", str(checkpoint), "--out", str(run.out), "--overwrite", "--steps", "1"],
                             capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
+    assert run.proc.poll() is None, f"the first run ended before the second's check:\n{run.proc.stderr.read() if run.proc.stderr else ''}"
     assert second.returncode == 2 and "a live on-policy run" in second.stderr.strip().splitlines()[-1], second.stderr[-2000:]
     assert run.proc.poll() is None and run.steps() >= 1 and (run.out / "last").is_symlink()
     os.kill(run.proc.pid, signal.SIGTERM)

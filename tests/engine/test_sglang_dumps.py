@@ -31,7 +31,7 @@ def test_sglang_dumper_files_read_as_the_vllm_module_pass(tmp_path: Path) -> Non
     session = engine_adapter("vllm").start(RolloutConfig(model=str(checkpoint), prompts=(prompt,), threads=1))
     writer = SglangStyleDumper(session.model, tmp_path / "sglang")
     try:
-        module_pass = session.record_modules([Sequence(prompt, len(prompt))], temperature=1.0, seed=0)
+        module_pass = session.record_modules([Sequence(prompt, len(prompt))], temperature=1.0)
     finally:
         writer.remove()
         session.close()
@@ -55,7 +55,7 @@ def test_compare_reads_a_directory_of_dumper_files(tmp_path: Path) -> None:
     session = engine_adapter("vllm").start(RolloutConfig(model=str(checkpoint), prompts=(prompt,), threads=1))
     for name in ("a", "b"):  # two dumps of one forward: every module equal, no origin
         writer = SglangStyleDumper(session.model, tmp_path / name)
-        session.record_modules([Sequence(prompt, len(prompt))], temperature=1.0, seed=0)
+        session.record_modules([Sequence(prompt, len(prompt))], temperature=1.0)
         writer.remove()
     session.close()
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}

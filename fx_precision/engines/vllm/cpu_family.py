@@ -18,12 +18,13 @@ heap corruption on FSDP2 ranks). The contract records the engine's capability an
 
 ``native_family()`` reads ``/proc/cpuinfo`` (never assumed); ``family_settings(family)`` is the environment and the
 answers of ``torch.cpu``'s checks that make the engine run as ``family``, refused where this CPU lacks what the
-family needs (an AVX2 machine cannot run AVX-512 kernels). The rollout records both in its dump.
+family needs (an AVX2 machine cannot run AVX-512 kernels). The machine's own family sets no cap: the engine runs as
+its users launch it there. The rollout records both in its dump.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from fx_precision.errors import PrecisionError
@@ -98,4 +99,6 @@ def family_settings(isa: str, flags: set[str] | None = None) -> FamilySettings:
             f"--isa {isa}: this CPU lacks {', '.join(missing)}, so an engine here cannot run as {family}; it can run as "
             f"{', '.join(str(f) for f in runnable_families(have)) or 'none of the families'}"
         )
+    if family == native_family(have):  # the machine's own family: oneDNN picks as it does for the engine's users, uncapped
+        return replace(settings, onednn_isa=None)
     return settings

@@ -15,6 +15,7 @@ Nothing outside ``fx_precision/engines/vllm`` imports vLLM; here it is imported 
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Iterable, Sequence
@@ -35,7 +36,7 @@ from fx_precision.contract.probing import (
     match_rotary,
     read_linear_calls,
 )
-from fx_precision.contract.vocabulary import LogprobForm, NormForm, OpClass, RotaryForm
+from fx_precision.contract.vocabulary import NormForm, OpClass, RotaryForm
 from fx_precision.dump import CallInfo, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
@@ -44,6 +45,13 @@ from fx_precision.engines.vllm.modules import ModuleRecorder
 from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls
 from fx_precision.errors import PrecisionError
 
+LAUNCHES = ("defaults", "eager")
+COMPILED_ENGINE = (
+    "the engine compiled its model with Inductor (vLLM's default; --launch defaults): inside its fused kernels bf16 roundings "
+    "are dropped (the residual stream stays fp32 across layers, a norm's output meets the rotary and an activation's output its "
+    "product unrounded), its norms sum in Inductor's vector order and its activations use Inductor's fp32 formula; the contract "
+    "follows the eager engine only: roll out with --launch eager"
+)
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
     "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
@@ -196,11 +204,14 @@ class VllmSession:
         self.cfg = cfg
         self.config = cc.config
         self.max_len = cfg.max_model_len or engine_max_len(cc.config)
+        if cfg.launch not in LAUNCHES:
+            raise PrecisionError(f"--launch {cfg.launch!r}: one of {', '.join(LAUNCHES)}")
         kwargs: dict[str, Any] = dict(
-            model=str(cc.file.parent), dtype="bfloat16", skip_tokenizer_init=True, enforce_eager=True, max_model_len=self.max_len,
-            seed=cfg.seed, enable_prefix_caching=False,  # every prefill computed whole: the module pass records each from its first token
+            model=str(cc.file.parent), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=self.max_len, seed=cfg.seed,
             logprobs_mode="processed_logprobs" if cfg.logprobs == "processed" else "raw_logprobs",
         )  # fmt: skip
+        if cfg.launch == "eager":  # the diagnostic engine: no compile, every prefill computed whole (no prefix cache)
+            kwargs.update(enforce_eager=True, enable_prefix_caching=False)
         if cfg.custom_ops == "none":
             kwargs["compilation_config"] = {"custom_ops": ["none"]}
         started = time.perf_counter()
@@ -209,6 +220,7 @@ class VllmSession:
         except Exception as exc:  # the engine refuses the checkpoint: its reason, in one line
             raise PrecisionError(f"vLLM cannot load {cfg.model}: {_last_line(exc)}") from None
         self.model = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
+        self.compiled = int(self.llm.llm_engine.vllm_config.compilation_config.mode) != 0  # CompilationMode.NONE: eager
         attn = next((m for m in self.model.modules() if hasattr(m, "isa") and hasattr(m, "impl")), None)
         self.info: dict[str, Any] = {
             "name": "vllm",
@@ -217,6 +229,10 @@ class VllmSession:
             "dtype": "bf16",
             "model_class": type(self.model).__name__,
             "custom_ops": cfg.custom_ops,
+            "launch": cfg.launch,
+            "compilation_mode": str(self.llm.llm_engine.vllm_config.compilation_config.mode),
+            "compiled": self.compiled,
+            "prefix_caching": bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
             "attention_backend": type(attn.impl).__name__ if attn is not None else None,
             "attention_isa": getattr(attn, "isa", None),
             "kernels": _kernel_build(),
@@ -257,8 +273,9 @@ class VllmSession:
         from vllm.inputs import TokensPrompt
 
         params = SamplingParams(
-            n=request.samples, max_tokens=request.max_tokens, prompt_logprobs=0, logprobs=0, temperature=request.temperature,
-            detokenize=False,  # no per-request seed: the engine's generator, seeded at start, as users sample
+            n=request.samples, max_tokens=request.max_tokens, prompt_logprobs=0 if request.prompt_logprobs else None, logprobs=0,
+            temperature=request.temperature, top_k=request.top_k, top_p=request.top_p,
+            detokenize=False,  # no per-request seed: the engine's generator, seeded at start
         )  # fmt: skip
         started = time.perf_counter()
         with StepRecorder(self.model, capture_step=0) as steps:
@@ -271,14 +288,18 @@ class VllmSession:
             self.norm_calls[key] += count
         sequences, logprobs = [], []
         for prompt, out in zip(request.prompts, outputs, strict=True):
-            prompt_lp = [_logprob(entry, prompt[i]) for i, entry in enumerate(out.prompt_logprobs) if i > 0]
+            if request.prompt_logprobs:
+                prompt_lp = [_logprob(entry, prompt[i]) for i, entry in enumerate(out.prompt_logprobs) if i > 0]
+            else:  # not asked (users sample without): placeholders the dump marks as not recorded (engine.prompt_logprobs)
+                prompt_lp = [math.nan] * (len(prompt) - 1)
             for sample in out.outputs:
                 generated = list(sample.token_ids)
                 gen_lp = [_logprob(entry, t) for entry, t in zip(sample.logprobs, generated, strict=True)]
                 sequences.append(TokenSequence(tuple(prompt) + tuple(generated), len(prompt)))
                 logprobs.append(torch.tensor(prompt_lp + gen_lp, dtype=torch.float32))
-        extra = {"norm_calls": dict(steps.norm_calls)}
-        return Generation(sequences, logprobs, steps.steps, steps.logits, seconds, extra, steps.captured, request.temperature)
+        extra = {"norm_calls": dict(steps.norm_calls), "prompt_logprobs": request.prompt_logprobs}
+        return Generation(sequences, logprobs, steps.steps, steps.logits, seconds, extra, steps.captured, request.temperature,
+                          request.top_k, request.top_p)  # fmt: skip
 
     def record_modules(self, sequences: Sequence[TokenSequence], temperature: float) -> ModulePass:
         """Each sequence (prompt and sampled tokens) as one prefill alone (``max_tokens=1``), every module recorded and
@@ -323,8 +344,13 @@ class VllmSession:
         for op_class, read in ((OpClass.ROTARY, self._rotary), (OpClass.NORM, self._norm), (OpClass.ATTENTION, self._attention_arith)):
             if op_class not in self._probed:
                 self._probed[op_class] = _never_fatal(op_class, read, gen)
+        if self.compiled:  # the modules' eager forms are not what the compiled graph computes: not followed, said why
+            for op_class in (OpClass.ROTARY, OpClass.NORM, OpClass.EAGER_MATH):
+                self._probed[op_class] = (None, {"why": COMPILED_ENGINE})
         rotary = kept(OpClass.ROTARY, *self._probed[OpClass.ROTARY])
         norm = kept(OpClass.NORM, *self._probed[OpClass.NORM])
+        if self.compiled:
+            kept(OpClass.EAGER_MATH, *self._probed[OpClass.EAGER_MATH])
         attention = kept(OpClass.ATTENTION, *_never_fatal(OpClass.ATTENTION, self._attention_at_run, generation, gen))
         body = {len(rows) for rows in generation.steps} | ({len(rows) for rows in module_pass.steps} if module_pass else set())
         logits = {rows for _, rows in generation.logits_calls} | ({rows for _, rows in module_pass.logits_calls} if module_pass else set())
@@ -343,7 +369,7 @@ class VllmSession:
             "rotary": rotary is not None, "norm": norm is not None, "attention": attention_followed(attention, evidence["attention"]),
             "linears": not linear_evidence.get("unmatched") and not linear_evidence.get("failed"),
         }  # fmt: skip
-        return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs or LogprobForm.RAW,
+        return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
                               self.info["aten_capability"], tuple(unmatched), evidence)  # fmt: skip
 
     def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, dict[str, Any]]:

@@ -1,0 +1,79 @@
+"""The engine launched as its users launch it (`rollout --launch defaults`): LLM(model, dtype=bfloat16, seed=S),
+compile on, prefix caching, chunked prefill, its cores; SamplingParams(n=G, temperature=T, max_tokens=L,
+logprobs=0), no prompt log-probs.
+
+    the dump holds what vLLM's own API returns, launched so      (an independent script, bit for bit)
+    the as-is comparison runs on the sampled tokens              (prompt tokens not recorded: left out, not "equal")
+    the contract refuses it before any model is built, naming why and the flag (--launch eager)
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fx_precision.dump import load_dump
+from fx_precision.tools.checkpoint import write_tiny_checkpoint
+
+HERE = Path(__file__).parent
+CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+SAMPLES, MAX_TOKENS, TEMPERATURE = 4, 6, "1.0"
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"fx-precision {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("defaults")
+    dims = {"hidden_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2, "intermediate_size": 320}
+    checkpoint = write_tiny_checkpoint("llama", root / "ckpt", seed=17, dims=dims)
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "9,64,129", "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS),
+        "--temperature", TEMPERATURE, "--seed", "4", "--launch", "defaults", "--out", str(root / "dump"))  # fmt: skip
+    return {"checkpoint": checkpoint, "dump": root / "dump"}
+
+
+def test_the_dump_holds_what_vllms_own_api_returns_as_users_launch_it(launched: dict[str, Path], tmp_path: Path) -> None:
+    dump = load_dump(str(launched["dump"]))
+    engine = dump.engine
+    assert engine["launch"] == "defaults" and engine["compiled"] and engine["prefix_caching"] and not engine["prompt_logprobs"]
+    assert engine["threads"] == (os.cpu_count() or 1)
+    prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in dump.sequences))
+    (tmp_path / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
+    done = subprocess.run([sys.executable, str(HERE / "direct_generate.py"), str(launched["checkpoint"]), str(tmp_path / "prompts.json"),
+                           str(MAX_TOKENS), "4", str(engine["threads"]), "defaults", str(SAMPLES), TEMPERATURE],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    direct = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert len(direct) == len(dump.sequences) == len(prompts) * SAMPLES
+    for sequence, record, want in zip(dump.sequences, dump.logprob_records(), direct, strict=True):
+        assert list(sequence.tokens[sequence.prompt_len :]) == want["generated"]
+        assert record.tensor is not None
+        assert [float(x).hex() for x in record.tensor[sequence.prompt_len - 1 :].tolist()] == want["logprobs"]  # bit for bit
+
+
+def test_as_is_the_sampled_tokens_are_compared_and_the_prompt_is_not_claimed(launched: dict[str, Path]) -> None:
+    report = json.loads(run("compare", "--model", str(launched["checkpoint"]), "--rollout", str(launched["dump"]), "--json").stdout)
+    lp = report["logprob"]
+    assert lp["comparable"] and not lp["prompt_recorded"] and lp["non_finite"] == 0
+    assert lp["prompt"]["tokens"] == 0 and lp["prompt"]["bitwise_share"] is None  # nothing compared, nothing claimed
+    assert lp["generated"]["tokens"] == 3 * SAMPLES * MAX_TOKENS and lp["generated"]["mean"] > 0
+
+
+def test_the_contract_refuses_the_compiled_engine_before_any_model_is_built(launched: dict[str, Path]) -> None:
+    done = run("compare", "--model", str(launched["checkpoint"]), "--rollout", str(launched["dump"]), "--contract", "vllm", check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "compiled its model with Inductor" in last and "--launch eager" in last, last
+    assert "Loading weights" not in done.stderr and "Traceback" not in done.stderr
+    contract = load_dump(str(launched["dump"])).contract
+    assert {c for c, _ in contract["unmatched"]} == {"norm", "rotary", "eager-math"}
+    assert contract["evidence"]["matched"]["attention"] and contract["evidence"]["matched"]["linears"]
