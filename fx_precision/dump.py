@@ -357,9 +357,13 @@ def check_engine_dump(dump: Dump) -> None:
         raise PrecisionError(f"dump {dump.source}: engine.threads = {engine['threads']}; at least 1")
     top_k, top_p = engine.get("top_k", 0), engine.get("top_p", 1.0)  # the sampler's (absent: off, as dumps before them)
     if not _integer(top_k) or top_k < 0:
-        raise PrecisionError(f"dump {dump.source}: engine.top_k = {top_k!r}; a count of tokens, 0 for all")
+        raise PrecisionError(
+            f"dump {dump.source}: engine.top_k = {top_k!r}; the sampler's top-k is a count of tokens, 0 for all: roll out again"
+        )
     if isinstance(top_p, bool) or not isinstance(top_p, (int, float)) or not 0.0 < top_p <= 1.0:
-        raise PrecisionError(f"dump {dump.source}: engine.top_p = {top_p!r}; a share in (0, 1], 1 for all")
+        raise PrecisionError(
+            f"dump {dump.source}: engine.top_p = {top_p!r}; the sampler's top-p is a share in (0, 1], 1 for all: roll out again"
+        )
     steps = engine["steps"]
     for i, rows in enumerate(steps):
         if not isinstance(rows, list) or any(not (isinstance(r, list) and len(r) == 2 and all(map(_integer, r))) for r in rows):

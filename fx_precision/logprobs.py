@@ -41,6 +41,11 @@ def masks(top_k: int, top_p: float) -> bool:
     return top_k > 0 or top_p < 1.0
 
 
+def processing_is_identity(temperature: float, top_k: int = 0, top_p: float = 1.0) -> bool:
+    """Whether the processed log-probs are the raw ones: no mask, at temperature 0 (greedy) or 1."""
+    return temperature in (0.0, 1.0) and not masks(top_k, top_p)
+
+
 def processed_logprobs(x: torch.Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
     """[rows, vocab] fp32 logits -> the sampler's processed log-probs (module docstring), row by row as vLLM's CPU
     sampler computes them: each row's result depends on that row alone."""
@@ -48,7 +53,6 @@ def processed_logprobs(x: torch.Tensor, temperature: float, top_k: int = 0, top_
     if temperature not in (0.0, 1.0):
         x = x / torch.full((x.shape[0], 1), float(temperature), dtype=torch.float32)
     if masks(top_k, top_p):
-        x = x.clone()
         ordered, index = x.sort(dim=-1, descending=False)
         if top_k > 0:
             kth = ordered[:, max(ordered.shape[1] - top_k, 0)].unsqueeze(1)  # the k-th largest; its ties stay
@@ -58,7 +62,7 @@ def processed_logprobs(x: torch.Tensor, temperature: float, top_k: int = 0, top_
             drop = total <= 1 - torch.full((x.shape[0],), float(top_p), dtype=torch.float32).unsqueeze(1)
             drop[:, -1] = False  # the largest always stays
             ordered.masked_fill_(drop, -float("inf"))
-        x = x.scatter_(dim=-1, index=index, src=ordered)
+        x = x.scatter(dim=-1, index=index, src=ordered)
     return x.log_softmax(dim=-1, dtype=torch.float32)
 
 
@@ -69,7 +73,7 @@ def token_logprobs(logits: torch.Tensor, ids: torch.Tensor, form: LogprobForm = 
     x = logits[:, :-1].float()
     target = ids[:, 1:].long().unsqueeze(-1)
     raw = torch.log_softmax(x, -1).gather(-1, target).squeeze(-1)
-    if form is LogprobForm.RAW or (temperature in (0.0, 1.0) and not masks(top_k, top_p)):
+    if form is LogprobForm.RAW or processing_is_identity(temperature, top_k, top_p):
         return raw
     rows, steps = x.shape[0], x.shape[1]
     processed = processed_logprobs(x.reshape(rows * steps, -1), temperature, top_k, top_p)

@@ -98,7 +98,8 @@ def test_an_engine_dump_is_read_against_itself(checkpoint: Path, tmp_path: Path)
 
     for key, value, needle in (("threads", "1", "engine.threads = '1'"), ("split_kv", 0, "engine.split_kv = 0"),
                                ("weights", None, "engine.weights = None"), ("logprobs", "cooked", "engine.logprobs = 'cooked'"),
-                               ("temperature", True, "engine.temperature = True")):  # fmt: skip
+                               ("temperature", True, "engine.temperature = True"), ("top_k", -1, "engine.top_k = -1"),
+                               ("top_p", 0.0, "engine.top_p = 0.0"), ("top_p", True, "engine.top_p = True")):  # fmt: skip
         bad = _engine_dump(checkpoint)
         bad.engine = {**(bad.engine or {}), key: value}
         with pytest.raises(PrecisionError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -473,7 +473,7 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
     (processed: at the temperature, renormalised over the request's top-k and top-p; logprobs.processed_logprobs).
     A row is checked where one candidate gives a returned value bit for bit; the form kept is the one every checked
     row gives. With no top-k or top-p, at temperature 0 or 1 both forms are one computation."""
-    from fx_precision.logprobs import masks, processed_logprobs
+    from fx_precision.logprobs import processed_logprobs, processing_is_identity
 
     captured = generation.sampled_logits
     if captured is None:
@@ -481,7 +481,7 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
     step, calls = captured
     temperature = float(generation.temperature)
     top_k, top_p = int(getattr(generation, "top_k", 0)), float(getattr(generation, "top_p", 1.0))
-    one = temperature in (0.0, 1.0) and not masks(top_k, top_p)  # raw and processed are one computation
+    one = processing_is_identity(temperature, top_k, top_p)  # raw and processed are one computation
     candidates = _sampled_rows(generation.sequences, generation.steps, int(step))
     if not candidates:
         return None, {"why": f"no sampled token was computed at step {step}"}

@@ -79,7 +79,7 @@ class EngineLogprobs:
     top_p: float = 1.0
 
 
-def logprob_form(dump: Dump, policy: Any) -> EngineLogprobs:
+def engine_logprobs(dump: Dump, policy: Any) -> EngineLogprobs:
     """The log-probs ``dump``'s engine returned (EngineLogprobs)."""
     engine = dump.engine or {}
     contract = getattr(policy, "contract", None)
@@ -88,7 +88,7 @@ def logprob_form(dump: Dump, policy: Any) -> EngineLogprobs:
 
 
 def _forward_each(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
-    lps = logprob_form(dump, side.policy)
+    lps = engine_logprobs(dump, side.policy)
     for sequence, plan in zip(dump.sequences, rows, strict=True):
         tokens = torch.tensor([sequence.tokens])
         with torch.no_grad():

@@ -52,9 +52,9 @@ from fx_precision.passes.graph.nodes import (
     node_dtype,
     node_value,
     normalise_source,
+    one_dtype_users,
     op_name,
     placeholder_attr,
-    promotes_mixed_dtypes,
     source_line,
 )
 from fx_precision.passes.graph.units import UnitIndex
@@ -256,16 +256,8 @@ def weight_following_read(cast: fx.Node, params: dict[fx.Node, tuple[str, ParamK
         return None
     if names_literal_dtype(cast):
         return None
-    stack, seen = list(cast.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if is_view(user):
-            stack.extend(user.users)
-            continue
-        if user.op != "call_function" or promotes_mixed_dtypes(user) or node_dtype(user) != dtype:
+    for user in one_dtype_users(cast):
+        if user.op != "call_function" or node_dtype(user) != dtype:
             continue
         for other in user.all_input_nodes:
             param = behind_views(other)

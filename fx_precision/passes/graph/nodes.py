@@ -9,7 +9,7 @@ to placeholders named after their source (``l_self_modules_model_modules_embed_t
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple, TypeGuard
 
 import torch
@@ -173,6 +173,21 @@ def promotes_mixed_dtypes(node: fx.Node) -> bool:
     if node.op == "call_method":
         return not str(node.target).endswith("_")
     return not is_custom_op(node) and node.target not in ONE_DTYPE_FUNCTIONS
+
+
+def one_dtype_users(node: fx.Node) -> Iterator[fx.Node]:
+    """The ops that take ``node``'s value (through views) and need their float inputs at one dtype
+    (``promotes_mixed_dtypes`` is False): where a cast of ``node`` must meet its peers' dtype."""
+    stack, seen = list(node.users), set()
+    while stack:
+        user = stack.pop()
+        if user in seen:
+            continue
+        seen.add(user)
+        if is_view(user):
+            stack.extend(user.users)
+        elif not promotes_mixed_dtypes(user):
+            yield user
 
 
 def behind_views(node: fx.Node) -> fx.Node:

@@ -38,6 +38,7 @@ from fx_precision.passes.graph.nodes import (
     is_view,
     module_path,
     node_dtype,
+    one_dtype_users,
     promotes_mixed_dtypes,
     source_line,
 )
@@ -95,17 +96,7 @@ def _traced_origin(node: fx.Node, reads: dict[str, torch.dtype]) -> fx.Node:
 def _followed_weight(node: fx.Node, old: torch.dtype, reads: dict[str, torch.dtype], before: GraphAnnotation) -> torch.dtype | None:
     """What a cast to ``old`` that met, at an op needing one dtype, a weight read at ``old`` must now
     follow: the dtype this rewrite cast that read to (gather emulation, a weight-read cast)."""
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if is_view(user):
-            stack.extend(user.users)
-            continue
-        if promotes_mixed_dtypes(user):
-            continue
+    for user in one_dtype_users(node):
         for other in user.all_input_nodes:
             if other is node:
                 continue
@@ -300,17 +291,7 @@ _STAYS = (NodeKind.WEIGHT, NodeKind.CONSTANT, NodeKind.INTENTIONAL, NodeKind.SOU
 def _meets_unnarrowed_input(node: fx.Node, old: torch.dtype, before: GraphAnnotation) -> bool:
     """Whether ``node``'s value (through views) meets, at an op that does not promote, another float
     input that stays at ``old``: then the cast followed that input's dtype, not the stream's."""
-    stack, seen = list(node.users), set()
-    while stack:
-        user = stack.pop()
-        if user in seen:
-            continue
-        seen.add(user)
-        if is_view(user):
-            stack.extend(user.users)
-            continue
-        if promotes_mixed_dtypes(user):
-            continue
+    for user in one_dtype_users(node):
         for other in user.all_input_nodes:
             info = before.info.get(other)
             if other is not node and info is not None and info.dtype == old and info.kind in _STAYS:
