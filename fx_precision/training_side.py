@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -34,6 +34,13 @@ from torch import nn
 from fx_precision.contract import EngineContract
 from fx_precision.errors import PrecisionError, first_line, precision_error_in
 from fx_precision.policy import PrecisionPolicy
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fx_precision.backend import PrecisionBackend
+    from fx_precision.eager_fix import EagerFix
+    from fx_precision.plan import PrecisionPlan
 
 
 def contract_policy(policy: PrecisionPolicy, contract: EngineContract) -> PrecisionPolicy:
@@ -54,22 +61,31 @@ class AsUsersRunIt:
 
 
 ModelSource = Callable[[], nn.Module]  # builds the fp32 masters; picklable: each rank builds its own
+PolicySource = Callable[[nn.Module], PrecisionPolicy]  # the policy for the model built; picklable (policy_flags.PolicyFlags)
+TokenSource = Callable[[nn.Module], torch.Tensor]  # token ids [B, T] for the model built; picklable
 
 
 @dataclass(frozen=True)
 class RunConfig:
-    """One training side: the model (a checkpoint directory, or a ModelSource), its policy, the contract it follows
-    (None: none), how it runs."""
+    """One training side, the one config type from the CLI's flags to TrainingSide: the model (a checkpoint directory,
+    or a ModelSource), its policy, the contract it follows (None: none), how it runs (compiled or eager, in process or
+    FSDP2 on ``world_size`` gloo ranks over ``mesh``), and what it runs on and records (the built-in sides' token
+    batch, module inputs). compare, dump, the benchmarks and the on-policy loop each build one; every rank receives
+    it pickled."""
 
     model: str | ModelSource
-    policy: Callable[[nn.Module], PrecisionPolicy] = field(default_factory=AsUsersRunIt)  # picklable (ranks get it)
+    policy: PolicySource = field(default_factory=AsUsersRunIt)
     contract: EngineContract | None = None
     compiled: bool = False
     inner: str = "inductor"  # the backend's inner compiler when compiled
     train: bool = False  # the model in train mode (dropout stays off: the configs here have none)
     eager_fix: bool = False  # the backend's casts as module hooks: the precision fix without torch.compile
-    example_ids: torch.Tensor | Callable[[nn.Module], torch.Tensor] | None = field(default=None, compare=False)  # what the eager
-    # fix is derived on: token ids, or a picklable callable that draws them for the model built
+    example_ids: torch.Tensor | TokenSource | None = field(default=None, compare=False)  # what the eager fix is derived on
+    world_size: int = 0  # 0: in process, gathers emulated at use; N: FSDP2 on N gloo ranks
+    mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards); None: a 1-D mesh over every rank
+    tokens: TokenSource | None = None  # the token batch a built-in side runs (an engine dump's side runs the dump's)
+    record_inputs: bool = True  # record every module call's inputs (the comparator's origins need them); against an
+    # engine dump: record module calls at all (False: the log-probs only)
 
     def compiles(self) -> bool:
         return self.compiled or self.contract is not None
@@ -113,18 +129,18 @@ def run_forward(model: Any, *args: Any, **kwargs: Any) -> Any:
 
 @dataclass
 class TrainingSide:
-    """What the steps built (module docstring)."""
+    """What the steps built (module docstring): each field is set by the step that makes it."""
 
     cfg: RunConfig
-    mesh: Any = None
-    model: Any = None
-    name: str = ""
-    policy: Any = None
-    plan: Any = None
-    sharded: bool = False
-    forward: Any = None
-    backend: Any = None
-    fix: Any = None  # the eager fix (EagerFix), with cfg.eager_fix
+    mesh: DeviceMesh | None = None
+    model: nn.Module = field(init=False)  # build
+    name: str = ""  # build: the user's class name (before FSDP2 makes it FSDP<name>)
+    policy: PrecisionPolicy = field(init=False)  # policy
+    plan: PrecisionPlan = field(init=False)  # plan
+    sharded: bool = False  # shard
+    forward: Callable[..., Any] = field(init=False)  # compile: the model, or torch.compile of it
+    backend: PrecisionBackend | None = None  # compile, where it compiles
+    fix: EagerFix | None = None  # eager fix, with cfg.eager_fix
 
     @contextlib.contextmanager
     def forward_context(self, rows: Any = None) -> Iterator[None]:
@@ -154,7 +170,7 @@ class TrainingSide:
             return logits_of(self.run(tokens))
 
     def describe(self) -> str:
-        how = f"FSDP2 on {self.mesh.size()} gloo rank(s)" if self.sharded else "in process"
+        how = f"FSDP2 on {self.mesh.size()} gloo rank(s)" if self.sharded and self.mesh is not None else "in process"
         compiled = f", compiled with precision_backend ({self.cfg.inner_compiler()})" if self.cfg.compiles() else ", eager"
         return f"train, {how}{compiled} ({self.describe_policy()})"
 
@@ -236,8 +252,9 @@ STEPS: tuple[tuple[str, Callable[[TrainingSide], TrainingSide]], ...] = (
 )
 
 
-def build_training_side(cfg: RunConfig, mesh: Any = None) -> TrainingSide:
-    """Run the steps (module docstring) in order; ``mesh``: FSDP2 over it (inside a gloo rank), None: in process."""
+def build_training_side(cfg: RunConfig, mesh: DeviceMesh | None = None) -> TrainingSide:
+    """Run the steps (module docstring) in order; ``mesh``: FSDP2 over it (inside one of ``cfg.world_size`` gloo ranks),
+    None: in process."""
     cfg.check()
     side = TrainingSide(cfg, mesh)
     for _name, step in STEPS:

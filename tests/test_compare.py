@@ -174,15 +174,16 @@ def test_cli_compare_qwen3_5_against_the_bf16_rollout(tmp_path: Path) -> None:
 def test_the_built_in_train_side_is_the_training_side_with_its_eager_fix() -> None:
     """compare's built-in train side runs the training side's steps (fx_precision/training_side.py): the eager fix is one
     of them, derived on the side's own token ids and registered as hooks, and a fix on a compiled side is refused."""
-    from fx_precision.tools.census_driver import CensusConfig
-    from fx_precision.tools.compare_sides import SideConfig, run_config, train_dump
-    from fx_precision.training_side import build_training_side
+    from fx_precision.policy_flags import PolicyFlags
+    from fx_precision.tools.compare_sides import built_in_side, train_dump
+    from fx_precision.training_side import RunConfig, build_training_side
 
-    knobs = CensusConfig(model="toy-decoder", arch_rules=False, eager_fix=True, batch=1, seq_len=8)
-    side = build_training_side(run_config(SideConfig(knobs)))
+    knobs = RunConfig("toy-decoder", policy=PolicyFlags(arch_rules=False), eager_fix=True)
+    side = build_training_side(built_in_side(knobs, batch=1, seq_len=8))
     assert side.fix is not None and side.fix.hooks and side.fix._handles  # registered on the model
     assert f"eager fix: {len(side.fix.hooks)} hook(s)" in side.describe()
-    fixed, plain = train_dump(SideConfig(knobs)), train_dump(SideConfig(replace(knobs, eager_fix=False)))
+    fixed = train_dump(built_in_side(knobs, batch=1, seq_len=8))
+    plain = train_dump(built_in_side(replace(knobs, eager_fix=False), batch=1, seq_len=8))
     assert "eager fix" in fixed.source and "eager fix" not in plain.source
     fp32 = lambda d: sum(r.dtype == "fp32" for r in d.records)
     assert fp32(fixed) < fp32(plain)  # the embedding's fp32 output, cast down by the fix, no longer flows through the stream

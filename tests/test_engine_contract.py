@@ -15,6 +15,15 @@ import torch
 import fx_precision as fxp
 from fx_precision.contract import AttentionArithmetic, EngineContract, RotaryOp
 from fx_precision.contract.batch_rows import EngineRows, RowPlan, check_logits_calls, engine_rows, row_plans
+from fx_precision.contract.evidence import (
+    AttentionEvidence,
+    CandidateEvidence,
+    ContractEvidence,
+    LinearCallEvidence,
+    LinearEvidence,
+    LogprobEvidence,
+    RunCallsChecked,
+)
 from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
 from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary
@@ -76,6 +85,9 @@ def _edited(data: dict, path: str, value: object) -> dict:
         ("linears.calls.0.rows", 4.5, r"rows: a positive integer, got 4.5"),
         ("linears", 5, r"contract.linears: an object with threads and calls"),
         ("evidence", 5, r"contract.evidence: a JSON object"),
+        ("evidence.attention", {"kept": 3}, r"contract.evidence.attention.kept=3: a str"),
+        ("evidence.linears", {"reads": {}}, r"contract.evidence.linears: unknown reads"),
+        ("evidence.matched", {"attention": True}, r"contract.evidence.matched=.*but the evidence gives"),
         ("unmatched", [["norm"]], r"contract.unmatched: a list of \[op class, why\] pairs"),
         ("norm", None, "contract.norm: none, and unmatched holds no reason"),
     ],
@@ -87,14 +99,34 @@ def test_a_contract_is_typed_on_read(path: str, value: object, error: str) -> No
         EngineContract.from_dict(_edited(PORTABLE.to_dict(), path, value))
 
 
+def test_evidence_is_typed_and_survives_its_json() -> None:
+    """Every probe's evidence is a dataclass the core reads by field: written to JSON and read back it is the same
+    evidence, its ``matched`` record the one its fields give (the attention followed only where the run's calls held)."""
+    evidence = ContractEvidence(
+        attention_isa="vec", kernels="AVX512+BF16 (_C)", cpu_family="avx512-bf16",
+        rotary=CandidateEvidence({"native": 12, "kernel, truncate store": 0}, kept="kernel, truncate store"),
+        norm=CandidateEvidence(kept="plain", details={"module": "GraniteRMSNorm: model"}),
+        attention=AttentionEvidence({VEC.describe(): 0}, VEC.describe(), not_tried={"amx": "no AMX tiles"}, separating_rounds=({"a": 1},),
+                                    at_run=RunCallsChecked(5, 5, ("1 request(s) [(513, 513)]: 3 row(s) differ",))),
+        linears=LinearEvidence({"q_proj 64x256 at 7 rows": LinearCallEvidence(7, 512, 1, kept=BLOCKED.describe())},
+                               {"64x256 at 7 rows": BLOCKED.describe()}),
+        logprobs=LogprobEvidence(0, 0.7, 40, 0.8, 4, 4, {"raw": 0, "processed": 4}, kept="processed", mode="raw_logprobs"),
+    )  # fmt: skip
+    data = json.loads(json.dumps(evidence.to_dict()))
+    assert ContractEvidence.from_dict(data) == evidence
+    assert data["matched"] == {"rotary": True, "norm": True, "attention": False, "linears": True}  # the run's call parted
+    assert replace(evidence, attention=replace(evidence.attention, at_run=RunCallsChecked(5, 5))).followed()["attention"]
+
+
 def test_a_contract_its_evidence_contradicts_is_refused() -> None:
     """The contract must be what its probes kept: a dump whose attention was edited to another candidate, or a linear
     call's order to another order, is refused before a comparison runs."""
     from fx_precision.contract import contract_of_dump
 
     linears = LinearOrders(1, (LinearCall(64, 256, 7, BLOCKED),))
-    evidence = {"norm": {"kept": "fused-add"}, "rotary": {"kept": "kernel, truncate store"}, "attention": {"kept": VEC.describe()},
-                "linears": {"read": {"64x256 at 7 rows": BLOCKED.describe()}}}  # fmt: skip
+    evidence = ContractEvidence(norm=CandidateEvidence(kept="fused-add"), rotary=CandidateEvidence(kept="kernel, truncate store"),
+                                attention=AttentionEvidence(kept=VEC.describe()),
+                                linears=LinearEvidence(read={"64x256 at 7 rows": BLOCKED.describe()}))  # fmt: skip
     honest = EngineContract(rotary=RotaryOp(rounding="truncate"), attention=VEC, linears=linears, evidence=evidence)
     contract_of_dump(SimpleNamespace(contract=honest.to_dict()))  # its evidence holds it
     edited = _edited(honest.to_dict(), "attention.exp", "fast512")
@@ -103,6 +135,10 @@ def test_a_contract_its_evidence_contradicts_is_refused() -> None:
     edited = _edited(honest.to_dict(), "linears.calls.0.order.blocks", [8])
     edited["linears"]["calls"][0]["order"]["parts"] = [1]
     with pytest.raises(PrecisionError, match=r"the call 64x256 at 7 rows is summed as 'AMX: K in order', its probe read"):
+        contract_of_dump(SimpleNamespace(contract=edited))
+    edited = _edited(honest.to_dict(), "logprobs", "processed")
+    edited["evidence"]["logprobs"] = {"kept": "raw"}
+    with pytest.raises(PrecisionError, match=r"contract.logprobs is 'processed', but its probe kept 'raw'"):
         contract_of_dump(SimpleNamespace(contract=edited))
 
 

@@ -109,7 +109,7 @@ def test_the_probe_reads_each_family_off_a_kernel_that_sums_in_it(order: LinearO
         pytest.skip("this CPU has no AMX tiles: the AMX family is not tried here (held above), its read needs an AMX CPU")
     found, evidence = read_linear_order(call, w, bias, 4, 1, torch.Generator().manual_seed(1))
     assert found == order.canonical(), (found, evidence)
-    assert evidence["kept"] == order.canonical().describe()
+    assert evidence.kept == order.canonical().describe()
 
 
 def test_the_order_families_are_canonical_without_merging_what_sums_otherwise() -> None:

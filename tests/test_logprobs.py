@@ -40,19 +40,19 @@ def _generation(temperature: float, form: LogprobForm, *, perturb: bool = False,
 @pytest.mark.parametrize("form", [LogprobForm.RAW, LogprobForm.PROCESSED])
 def test_the_probe_reads_which_log_probs_the_engine_returned_at_a_temperature(form: LogprobForm) -> None:
     kept, evidence = match_logprobs(_generation(0.7, form))
-    assert kept is form and evidence["kept"] == str(form), evidence
-    assert evidence["rows given"][str(form)] == 2 and evidence["rows given"][str(LogprobForm.RAW if form is LogprobForm.PROCESSED
+    assert kept is form and evidence.kept == str(form), evidence
+    assert evidence.rows_given[str(form)] == 2 and evidence.rows_given[str(LogprobForm.RAW if form is LogprobForm.PROCESSED
                                                                               else LogprobForm.PROCESSED)] == 0  # fmt: skip
 
 
 def test_log_probs_no_form_gives_are_unmatched_not_defaulted() -> None:
     kept, evidence = match_logprobs(_generation(0.7, LogprobForm.PROCESSED, perturb=True))
-    assert kept is None and "no candidate" in evidence["why"]
+    assert kept is None and "no candidate" in str(evidence.why)
 
 
 def test_at_temperature_one_both_forms_are_one_computation() -> None:
     kept, evidence = match_logprobs(_generation(1.0, LogprobForm.PROCESSED))
-    assert kept is LogprobForm.RAW and evidence["kept"] == "raw"
+    assert kept is LogprobForm.RAW and evidence.kept == "raw"
 
 
 def test_processed_log_probs_leave_prompt_positions_raw() -> None:
@@ -114,8 +114,8 @@ def test_top_k_and_top_p_enter_the_processed_form_only_and_the_probe_reads_them(
     assert (masked > raw).all()  # renormalised over fewer tokens
     for temperature in (0.7, 1.0):  # at T = 1 too: the mask alone parts the forms
         found, evidence = match_logprobs(_generation(temperature, LogprobForm.PROCESSED, top_k=5, top_p=0.5))
-        assert found is LogprobForm.PROCESSED and evidence["rows given"]["raw"] == 0, evidence
+        assert found is LogprobForm.PROCESSED and evidence.rows_given["raw"] == 0, evidence
     generation = _generation(0.7, LogprobForm.PROCESSED)
     generation.top_k, generation.top_p = 5, 0.5  # the engine sampled with them, the log-probs did not: no form gives them
     form, evidence = match_logprobs(generation)
-    assert form is None and evidence["rows given"]["processed"] == 0, evidence
+    assert form is None and evidence.rows_given["processed"] == 0, evidence

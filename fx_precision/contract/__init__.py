@@ -20,8 +20,8 @@
                     rewrite of a graph that has their pattern refuses with that reason (never a default)
 
 Every field is typed on read (``from_dict``: wrong types, ranges and missing fields are one PrecisionError
-naming the field), and ``check_evidence`` holds the contract to the evidence the probes recorded (a
-contract edited to a candidate the probe rejected is refused).
+naming the field), and ``check_evidence`` holds the contract to the evidence the probes recorded
+(``contract/evidence.py``: a contract edited to a candidate the probe rejected is refused).
 
 ``passes/rewrites/engine`` rewrites a captured graph to follow it (any architecture whose graph has the
 pattern); ``contract/ops.py`` holds the ops the rewrites call; the engine adapters (``fx_precision.engines``)
@@ -33,6 +33,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
 from fx_precision.errors import PrecisionError
@@ -143,7 +144,7 @@ class EngineContract:
     logprobs: LogprobForm | None = LogprobForm.RAW  # None: the probe matched no form (unmatched says why)
     eager_math: str | None = None  # the ATen CPU capability of the engine's eager kernels (None: not recorded, in-code contracts)
     unmatched: tuple[tuple[OpClass, str], ...] = ()
-    evidence: dict[str, Any] = field(default_factory=dict)  # what each probe found: candidates, their mismatches, the one kept
+    evidence: ContractEvidence = field(default_factory=ContractEvidence)  # what each probe found (contract/evidence.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -164,8 +165,8 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.eager_math={self.eager_math!r}: the ATen CPU capability (e.g. AVX512) or null")
         unmatched = tuple((parse_enum(OpClass, c, "EngineContract.unmatched"), str(why)) for c, why in self.unmatched)
         object.__setattr__(self, "unmatched", unmatched)
-        if not isinstance(self.evidence, dict):
-            raise PrecisionError(f"EngineContract.evidence: a JSON object, got {type(self.evidence).__name__}")
+        if not isinstance(self.evidence, ContractEvidence):
+            raise PrecisionError(f"EngineContract.evidence: a ContractEvidence, got {type(self.evidence).__name__}")
         missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention, OpClass.LOGPROBS: self.logprobs}
         for op_class, value in missing.items():
             if value is None and op_class not in self.why_unmatched():
@@ -177,7 +178,7 @@ class EngineContract:
     def refused(self, op_class: OpClass, where: str) -> PrecisionError:
         """The error of a rewrite that meets ``op_class``'s pattern while the probe matched nothing for it."""
         why = self.why_unmatched().get(op_class, "the probe matched no candidate")
-        family = self.evidence.get("cpu_family")
+        family = self.evidence.cpu_family
         ran = f" run as a {family} CPU" if family else ""
         return PrecisionError(
             f"engine contract ({self.engine} {self.version or ''}{ran}): {op_class} at {where or '<root>'}: the engine's {op_class} "
@@ -207,7 +208,7 @@ class EngineContract:
             "logprobs": str(self.logprobs) if self.logprobs is not None else None,
             "eager_math": self.eager_math,
             "unmatched": [[str(c), why] for c, why in self.unmatched],
-            "evidence": self.evidence,
+            "evidence": self.evidence.to_dict(),
         }
 
     @classmethod
@@ -229,7 +230,7 @@ class EngineContract:
                 logprobs=data["logprobs"],
                 eager_math=data["eager_math"],
                 unmatched=tuple((c, why) for c, why in unmatched),
-                evidence=data["evidence"],
+                evidence=ContractEvidence.from_dict(data["evidence"]),
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
@@ -247,22 +248,32 @@ class EngineContract:
 
     def check_evidence(self) -> None:
         """Refuse a contract its own evidence contradicts: every op class's value must be the one its probe kept
-        (``evidence[op class]["kept"]``), a candidate with no mismatch; every linear call's order the one read."""
-        for op_class, value in ((OpClass.NORM, self.norm), (OpClass.ROTARY, self.rotary), (OpClass.ATTENTION, self.attention)):
+        (``evidence.<op class>.kept``), a candidate with no mismatch; every linear call's order the one read."""
+        probed: tuple[tuple[OpClass, Any, CandidateEvidence | None], ...] = (
+            (OpClass.NORM, self.norm, self.evidence.norm),
+            (OpClass.ROTARY, self.rotary, self.evidence.rotary),
+            (OpClass.ATTENTION, self.attention, self.evidence.attention),
+        )
+        for op_class, value, found in probed:
             if value is None:
                 continue
-            found = self.evidence.get(str(op_class))
-            if not isinstance(found, dict) or "kept" not in found:
+            if found is None or found.kept is None:
                 raise PrecisionError(f"contract.evidence.{op_class}: no record of what the probe kept; the contract cannot be checked")
             shown = str(value) if isinstance(value, NormForm) else value.describe()
-            if found["kept"] != shown:
+            if found.kept != shown:
                 raise PrecisionError(
-                    f"contract.{op_class} is {shown!r}, but its probe kept {found['kept']!r} (contract.evidence.{op_class}): the contract "
+                    f"contract.{op_class} is {shown!r}, but its probe kept {found.kept!r} (contract.evidence.{op_class}): the contract "
                     "is not the one its evidence supports; roll out again"
                 )
-        read = self.evidence.get(str(OpClass.LINEARS), {}).get("read", {})
+        logprobs = self.evidence.logprobs
+        if self.logprobs is not None and logprobs is not None and logprobs.kept != str(self.logprobs):
+            raise PrecisionError(
+                f"contract.logprobs is {str(self.logprobs)!r}, but its probe kept {logprobs.kept!r} (contract.evidence.logprobs): the "
+                "contract is not the one its evidence supports; roll out again"
+            )
+        read = self.evidence.linears.read if self.evidence.linears is not None else {}
         for call in self.linears.calls:
-            key = f"{call.out_features}x{call.in_features} at {call.rows} rows"
+            key = linear_call_key(call.out_features, call.in_features, call.rows)
             if read.get(key) != call.order.describe():
                 raise PrecisionError(
                     f"contract.linears: the call {key} is summed as {call.order.describe()!r}, its probe read {read.get(key)!r} "
@@ -275,20 +286,19 @@ def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str
     run exercised was probed and matched). ``engine``: the dump's record of how the engine ran."""
     notes = [f"the engine's {op_class} matched no candidate the contract knows ({why}): a graph with it is refused, "
              "compare without --contract to see the gap" for op_class, why in contract.unmatched]  # fmt: skip
-    attention = contract.evidence.get(str(OpClass.ATTENTION))
-    at_run = attention.get("at the run's calls") if isinstance(attention, dict) else None
-    if isinstance(at_run, dict) and at_run.get("unmatched"):
-        notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run['unmatched'][:3])}")
+    at_run = contract.evidence.attention.at_run if contract.evidence.attention is not None else None
+    if at_run is not None and at_run.unmatched:
+        notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run.unmatched[:3])}")
         if int(engine.get("threads") or 1) > 1 and engine.get("split_kv"):
             notes.append(
                 f"the engine ran split-KV attention on {engine['threads']} threads (a decode row's keys split across threads, "
                 "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
             )
-    if isinstance(at_run, dict) and int(at_run.get("checked", 0)) < int(at_run.get("calls", 0)):
-        notes.append(f"{at_run['checked']} of the run's {at_run['calls']} distinct attention calls were checked against the engine; "
+    if at_run is not None and at_run.checked < at_run.calls:
+        notes.append(f"{at_run.checked} of the run's {at_run.calls} distinct attention calls were checked against the engine; "
                      "the rest were not: roll out fewer or shorter sequences per call to have every call checked")  # fmt: skip
-    ambiguous = [k for k, v in contract.evidence.get(str(OpClass.LINEARS), {}).get("calls", {}).items()
-                 if isinstance(v, dict) and v.get("ambiguous")]  # fmt: skip
+    linears = contract.evidence.linears
+    ambiguous = [k for k, v in linears.calls.items() if v.ambiguous] if linears is not None else []
     if ambiguous:
         notes.append(f"the probe could not tell two summation orders apart for {', '.join(ambiguous[:3])}: the first was kept")
     return notes

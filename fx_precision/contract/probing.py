@@ -16,8 +16,9 @@ functions hold every candidate of an op class against them, bit for bit::
     match_logprobs(generation)            the log-probs the engine returned for its sampled tokens, against the
                                           logits its sampler drew from; candidates: raw | processed (at T)
 
-Each returns what it kept (None where no candidate matched) and its evidence: every candidate's mismatch
-count, and ``kept``, the one the contract takes (``EngineContract.check_evidence`` holds the contract to it).
+Each returns what it kept (None where no candidate matched) and its evidence (``contract/evidence.py``): every
+candidate's mismatch count, and ``kept``, the one the contract takes (``EngineContract.check_evidence`` holds the
+contract to it), or ``why`` none was.
 """
 
 from __future__ import annotations
@@ -26,12 +27,22 @@ import contextlib
 import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
 
 from fx_precision.contract import AttentionArithmetic, RotaryOp
 from fx_precision.contract.batch_rows import steps_of
+from fx_precision.contract.evidence import (
+    AttentionEvidence,
+    CandidateEvidence,
+    LinearCallEvidence,
+    LinearEvidence,
+    LogprobEvidence,
+    RunCallsChecked,
+    linear_call_key,
+)
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
 from fx_precision.contract.ops import _rotate, engine_attention, round_to
 from fx_precision.contract.vocabulary import LogprobForm, NormForm, RotaryForm, Rounding
@@ -54,7 +65,7 @@ RotaryApply = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], tuple[torch.T
 
 def match_rotary(
     apply: RotaryApply, cos_sin: torch.Tensor, head: int, rotary_dim: int, max_positions: int, gen: torch.Generator
-) -> tuple[RotaryOp | None, dict[str, Any]]:
+) -> tuple[RotaryOp | None, CandidateEvidence]:
     """The engine's rotary (``apply(positions, q, k) -> (q, k)`` on [tokens, heads * head] bf16, neox halves; its
     bf16 cos | sin table ``cos_sin`` [positions, rotary_dim]) held against every candidate."""
     tokens, heads = 257, 4
@@ -81,8 +92,8 @@ def match_rotary(
     counts = {name: mismatches(rotated(q, op), got_q) + mismatches(rotated(k, op), got_k) for name, op in candidates.items()}
     best = min(counts, key=lambda c: counts[c])
     if counts[best]:
-        return None, {"candidates": counts, "why": "no candidate gives the engine's rotary bits"}
-    return candidates[best], {"candidates": counts, "kept": candidates[best].describe()}
+        return None, CandidateEvidence(counts, why="no candidate gives the engine's rotary bits")
+    return candidates[best], CandidateEvidence(counts, kept=candidates[best].describe())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -92,7 +103,7 @@ def match_rotary(
 
 def match_norm(
     apply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], weight: torch.Tensor, eps: float, gen: torch.Generator
-) -> tuple[NormForm | None, dict[str, Any]]:
+) -> tuple[NormForm | None, CandidateEvidence]:
     """The engine's norm after a residual add (``apply(x, residual) -> normed x``, bf16 [rows, width]) held against
     the fp32 sum (fused-add) and the rounded sum (plain), each with the weight as Llama applies it (after the
     rounding) and as Gemma does ((1 + w) in fp32, then one rounding)."""
@@ -112,9 +123,9 @@ def match_norm(
     counts = {f"{form} ({style} weight)": mismatches(normed(h, style), out) for form, h in sums.items() for style in ("llama", "gemma")}
     best = min(counts, key=lambda c: counts[c])
     if counts[best]:
-        return None, {"candidates": counts, "why": "no candidate gives the engine's norm bits"}
+        return None, CandidateEvidence(counts, why="no candidate gives the engine's norm bits")
     form = NormForm(best.split(" ")[0])
-    return form, {"candidates": counts, "kept": str(form)}
+    return form, CandidateEvidence(counts, kept=str(form))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -164,7 +175,7 @@ def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: 
 
 
 def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator) -> tuple[AttentionArithmetic | None,
-                                                                                                            dict[str, Any]]:  # fmt: skip
+                                                                                                            AttentionEvidence]:  # fmt: skip
     """The attention arithmetic: the candidates that give every prefill probe's bits (each length alone), narrowed by
     decode rows (one query at the last position) where some candidates give theirs too. Where no candidate gives a
     decode row's bits (split-KV: keys split across threads, merged), the prefill's arithmetic is kept and ``decode``
@@ -178,41 +189,39 @@ def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen:
     def wrong(arith: AttentionArithmetic, cases: list[Any], got: list[torch.Tensor]) -> int:
         return sum(mismatches(_contract_attention(arith, q, k, v, scale), want) for (q, k, v), want in zip(cases, got, strict=True))
 
-    counts: dict[str, Any] = {}
+    counts: dict[str, int] = {}
     kept = []
     for arith in attention_candidates():
         counts[arith.describe()] = wrong(arith, prefill, got_prefill)
         if counts[arith.describe()] == 0:
             kept.append(arith)
-    evidence: dict[str, Any] = {"candidates": counts}
     from fx_precision.contract.kernels import engine_kernels
 
-    if not engine_kernels().cpu_has_amx():
-        evidence["not tried"] = {"amx": "this CPU has no AMX tiles: no engine here runs them"}
+    not_tried = {} if engine_kernels().cpu_has_amx() else {"amx": "this CPU has no AMX tiles: no engine here runs them"}
     decoding = [a for a in kept if wrong(a, decode, got_decode) == 0]
-    if kept and not decoding:
-        evidence["decode"] = "no candidate gives a lone decode row's bits (split-KV on several threads?)"
+    decode_note = "no candidate gives a lone decode row's bits (split-KV on several threads?)" if kept and not decoding else None
     kept = decoding or kept
     if not kept:
-        return None, {**evidence, "why": "no candidate gives the engine's attention bits at prefill"}
+        return None, AttentionEvidence(counts, why="no candidate gives the engine's attention bits at prefill", not_tried=not_tried,
+                                       decode=decode_note)  # fmt: skip
+    separated: dict[str, int] = {}
     if len(kept) > 1:  # the separating probe: unit values, where the softmax sum's order shows through a truncating store
         separating = [_requests([(n, n)], heads, kv_heads, dim, gen, unit_values=True)[0] for n in PROBE_LENGTHS]
         got_separating = [run([r])[0] for r in separating]
-        narrowed = [a for a in kept if wrong(a, separating, got_separating) == 0]
-        evidence["separating"] = {a.describe(): wrong(a, separating, got_separating) for a in kept}
-        kept = narrowed or kept
+        separated = {a.describe(): wrong(a, separating, got_separating) for a in kept}
+        kept = [a for a in kept if separated[a.describe()] == 0] or kept
+    rounds: list[dict[str, int]] = []
     for _ in range(SEPARATING_ROUNDS):  # longer prefills while two candidates remain (exp variants part on few rows)
         if len(kept) <= 1:
             break
         longer = [_requests([(n, n)], heads, kv_heads, dim, gen)[0] for n in SEPARATING_LENGTHS]
         got_longer = [run([r])[0] for r in longer]
         counts_longer = {a.describe(): wrong(a, longer, got_longer) for a in kept}
-        evidence.setdefault("separating rounds", []).append(counts_longer)
+        rounds.append(counts_longer)
         kept = [a for a in kept if counts_longer[a.describe()] == 0] or kept
-    if len(kept) > 1:  # indistinguishable on these probes: the first in candidate order, recorded as ambiguous
-        evidence["ambiguous"] = len(kept)
-    evidence["kept"] = kept[0].describe()
-    return kept[0], evidence
+    # indistinguishable on these probes: the first in candidate order, recorded as ambiguous
+    return kept[0], AttentionEvidence(counts, kept[0].describe(), not_tried=not_tried, decode=decode_note, separating=separated,
+                                      separating_rounds=tuple(rounds), ambiguous=len(kept) if len(kept) > 1 else 0)  # fmt: skip
 
 
 MAX_RUN_CALLS = 512  # distinct attention calls of the run checked whole (decode steps are cheap); past it, the notes say so
@@ -220,7 +229,7 @@ MAX_RUN_CALLS = 512  # distinct attention calls of the run checked whole (decode
 
 def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes: Sequence[Sequence[tuple[int, int]]], heads: int,
                           kv_heads: int, dim: int, gen: torch.Generator,
-                          seen: dict[tuple[tuple[int, int], ...], str | None] | None = None) -> dict[str, Any]:  # fmt: skip
+                          seen: dict[tuple[tuple[int, int], ...], str | None] | None = None) -> RunCallsChecked:  # fmt: skip
     """The kept arithmetic against the engine's attention at the calls the run made (``shapes``: each call's requests
     as (query rows, keys), all in one call, with the engine's threads, split-KV setting and scheduler): where the
     engine's order depends on the batch, the lengths or its threads (KV tiles and their rescaling, split-KV), this is
@@ -236,22 +245,7 @@ def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes:
                     for (q, k, v), want in zip(requests, got, strict=True))  # fmt: skip
         more = "..." if len(shape) > 3 else ""
         seen[shape] = f"{len(shape)} request(s) {list(shape)[:3]}{more}: {wrong} row(s) differ" if wrong else None
-    out: dict[str, Any] = {"calls": len(calls), "checked": sum(1 for c in calls if c in seen)}
-    unmatched = [str(seen[c]) for c in calls if seen.get(c)]
-    if unmatched:
-        out["unmatched"] = unmatched
-    return out
-
-
-def attention_followed(arith: AttentionArithmetic | None, evidence: dict[str, Any]) -> bool:
-    """Whether the kept arithmetic gives the engine's attention: the run's own calls decide where they were checked
-    (a lone probe's decode row may split its keys across threads where the run's batched steps do not)."""
-    if arith is None:
-        return False
-    at_run = evidence.get("at the run's calls")
-    if isinstance(at_run, dict):
-        return not at_run.get("unmatched")
-    return "decode" not in evidence
+    return RunCallsChecked(len(calls), sum(1 for c in calls if c in seen), tuple(str(seen[c]) for c in calls if seen.get(c)))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -359,7 +353,7 @@ def _giving(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: t
 
 
 def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, threads: int,
-                      gen: torch.Generator) -> tuple[LinearOrder | None, dict[str, Any]]:  # fmt: skip
+                      gen: torch.Generator) -> tuple[LinearOrder | None, LinearCallEvidence]:  # fmt: skip
     """The order the engine's linear ``call`` sums in when it holds ``rows`` rows (contract/linear_order.py).
     Trials of targeted inputs gather ``PROBE_OUTPUTS`` probed outputs; every candidate of every family this CPU's
     engine can run (``linear_families``) is computed for those outputs and kept when it gives all their bits; what is
@@ -379,7 +373,8 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
             x, targets = targeted_rows(weight, rows, trial, gen)
             got = call(x.clone())
             if tuple(got.shape) != (rows, n) or got.dtype != torch.bfloat16:
-                return None, {"why": f"the engine's call returned {tuple(got.shape)} {got.dtype} for {rows} rows of {k}: not a bf16 GEMM"}
+                returned = f"{tuple(got.shape)} {got.dtype}"
+                return None, LinearCallEvidence(rows, why=f"the engine's call returned {returned} for {rows} rows of {k}: not a bf16 GEMM")
             wants.append(got[torch.arange(rows), targets])
             xs.append(x)
             cols.append(targets)
@@ -390,20 +385,16 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
         found = _giving(found, all_x, weight[all_cols].contiguous(), picked_bias, want)
         if len(found) <= 1:
             break
-    evidence: dict[str, Any] = {"rows": rows, "probed_outputs": probed, "candidates_left": len(found)}
-    if not_tried:
-        evidence["not tried"] = not_tried
+    evidence = LinearCallEvidence(rows, probed, len(found), dict(not_tried))
     if not found or last is None:
-        return None, {**evidence, "why": "no order of the families tried gives the engine's bits"}
+        return None, replace(evidence, why="no order of the families tried gives the engine's bits")
     x, got = last
     with _all_threads():
         whole = [o for o in found[:2] if torch.equal(kernels.linear(x, weight, bias, o.struct()), got)]
     if not whole:
-        return None, {**evidence, "why": "the orders the probed outputs kept differ from the engine on other outputs"}
-    if len(whole) > 1:
-        evidence["ambiguous"] = [o.describe() for o in whole]
-    evidence["kept"] = whole[0].describe()
-    return whole[0], evidence
+        return None, replace(evidence, why="the orders the probed outputs kept differ from the engine on other outputs")
+    ambiguous = tuple(o.describe() for o in whole) if len(whole) > 1 else ()
+    return whole[0], replace(evidence, ambiguous=ambiguous, kept=whole[0].describe())
 
 
 @contextlib.contextmanager
@@ -420,8 +411,8 @@ def _all_threads() -> Iterator[None]:
 
 def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tensor | None, bool]], body_rows: set[int],
                       logits_rows: set[int], threads: int, gen: torch.Generator,
-                      seen: dict[tuple[int, int, int], tuple[str, LinearOrder | None, dict[str, Any]]] | None = None,
-                      ) -> tuple[LinearOrders, dict[str, Any]]:  # fmt: skip
+                      seen: dict[tuple[int, int, int], tuple[str, LinearOrder | None, LinearCallEvidence]] | None = None,
+                      ) -> tuple[LinearOrders, LinearEvidence]:  # fmt: skip
     """The order of every linear call the run made: ``calls`` name -> (call, bf16 weight, bias, is the output
     projection); each at every step size of the run (the logits one at every logits call's size). Linears of one
     shape share the calls' orders: each shape is read once per size. ``seen``: (N, K, rows) -> (name, order,
@@ -433,21 +424,20 @@ def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tens
         for rows in sorted(logits_rows if logits else body_rows):
             if (n, k, rows) not in seen:
                 seen[(n, k, rows)] = (name, *read_linear_order(call, weight, bias, rows, threads, gen))
-    evidence: dict[str, Any] = {"calls": {}, "read": {}}
+    found_calls: dict[str, LinearCallEvidence] = {}
+    orders_read: dict[str, str] = {}
     unmatched: list[str] = []
     read: dict[tuple[int, int, int], LinearOrder | None] = {}
     for (n, k, rows), (name, order, found) in sorted(seen.items()):
         read[(n, k, rows)] = order
-        evidence["calls"][f"{name} {n}x{k} at {rows} rows"] = found
+        found_calls[f"{name} {n}x{k} at {rows} rows"] = found
         if order is None:
             unmatched.append(f"{name} at {rows} rows")
         else:
-            evidence["read"][f"{n}x{k} at {rows} rows"] = order.describe()
-    if unmatched:
-        evidence["unmatched"] = unmatched
-        evidence["why"] = f"no order gives the engine's bits for {', '.join(unmatched[:3])}"
+            orders_read[linear_call_key(n, k, rows)] = order.describe()
+    why = f"no order gives the engine's bits for {', '.join(unmatched[:3])}" if unmatched else None
     calls_read = tuple(LinearCall(n, k, m, o) for (n, k, m), o in read.items() if o is not None)
-    return LinearOrders(threads, calls_read), evidence
+    return LinearOrders(threads, calls_read), LinearEvidence(found_calls, orders_read, tuple(unmatched), why)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,7 +454,7 @@ def _sampled_rows(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], 
     return rows
 
 
-def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]:
+def match_logprobs(generation: Any) -> tuple[LogprobForm | None, LogprobEvidence]:
     """Which log-probs the engine returned for the tokens it sampled, read off the logits its sampler drew from.
 
     ``generation.sampled_logits`` is (step, the logits calls of that step); every row of them is held against
@@ -477,14 +467,14 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
 
     captured = generation.sampled_logits
     if captured is None:
-        return None, {"why": "the engine's sampled logits were not captured"}
+        return None, LogprobEvidence(why="the engine's sampled logits were not captured")
     step, calls = captured
     temperature = float(generation.temperature)
     top_k, top_p = int(getattr(generation, "top_k", 0)), float(getattr(generation, "top_p", 1.0))
     one = processing_is_identity(temperature, top_k, top_p)  # raw and processed are one computation
     candidates = _sampled_rows(generation.sequences, generation.steps, int(step))
     if not candidates:
-        return None, {"why": f"no sampled token was computed at step {step}"}
+        return None, LogprobEvidence(int(step), temperature, top_k, top_p, why=f"no sampled token was computed at step {step}")
     wanted = {(s, p): float(generation.logprobs[s][p]) for s, p in candidates}
     forms = (LogprobForm.RAW, LogprobForm.PROCESSED)
     checked: dict[LogprobForm, int] = {form: 0 for form in forms}
@@ -499,18 +489,12 @@ def match_logprobs(generation: Any) -> tuple[LogprobForm | None, dict[str, Any]]
                 lp = by_form[form][r]
                 if any(float(lp[generation.sequences[s].tokens[p + 1]]) == value for (s, p), value in wanted.items()):
                     checked[form] += 1
-    evidence: dict[str, Any] = {
-        "step": int(step), "temperature": temperature, "top_k": top_k, "top_p": top_p, "logits rows": rows,
-        "sampled tokens at the step": len(candidates),
-        "rows given": {str(f): n for f, n in checked.items()},
-    }  # fmt: skip
+    evidence = LogprobEvidence(int(step), temperature, top_k, top_p, rows, len(candidates), {str(f): n for f, n in checked.items()})
     best = max(forms, key=lambda f: checked[f])
     if checked[best] == 0:
-        return None, {**evidence, "why": "no candidate gives the returned log-probs"}
+        return None, replace(evidence, why="no candidate gives the returned log-probs")
     if one:  # one computation: either name holds
-        evidence["kept"] = str(LogprobForm.RAW)
-        return LogprobForm.RAW, evidence
+        return LogprobForm.RAW, replace(evidence, kept=str(LogprobForm.RAW))
     if checked[LogprobForm.RAW] and checked[LogprobForm.PROCESSED]:
-        return None, {**evidence, "why": "rows give both forms"}
-    evidence["kept"] = str(best)
-    return best, evidence
+        return None, replace(evidence, why="rows give both forms")
+    return best, replace(evidence, kept=str(best))

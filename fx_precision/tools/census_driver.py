@@ -19,9 +19,9 @@ from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
 from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
 from fx_precision.module_graph import module_label
-from fx_precision.policy import PrecisionPolicy, resolve_policy
+from fx_precision.policy import PrecisionPolicy
+from fx_precision.policy_flags import PolicyFlags
 from fx_precision.ranks import cpu_mesh, rank_device, run_on_ranks
-from fx_precision.spec import PrecisionSpec, parse_precision_rules
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 
 
@@ -46,27 +46,16 @@ class CensusConfig:
     plain_wrap: bool = False  # reference: plain per-layer fully_shard with MixedPrecisionPolicy(fp32, fp32)
     eager_fix: bool = False  # the backend's casts as module hooks (fxp.eager_casts), derived before the wrap
 
+    def flags(self) -> PolicyFlags:
+        """The policy flags of this census (fx_precision/policy_flags.py)."""
+        return PolicyFlags(self.master, self.gather, self.compute, self.rules, self.arch_rules, self.cast_forward_inputs)
+
     def build_dtype(self) -> Any:
         """What a checkpoint config is built at: the master dtype (None, "as loaded": what the file stores)."""
-        from fx_precision.dtypes import parse_dtype
-
-        return parse_dtype(self.master) if self.master else None
+        return self.flags().build_dtype()
 
     def policy(self, model: Any) -> PrecisionPolicy:
-        spec = parse_precision_rules(self.rules)
-        if self.arch_rules:
-            return resolve_policy(
-                model, master=self.master, gather=self.gather, compute=self.compute, spec=spec, cast_forward_inputs=self.cast_forward_inputs
-            )
-        from fx_precision.dtypes import optional_dtype, parse_dtype
-
-        return PrecisionPolicy(
-            master=optional_dtype(self.master, what="--master"),
-            gather=parse_dtype(self.gather, what="--gather"),
-            compute=optional_dtype(self.compute, what="--compute"),
-            spec=spec or PrecisionSpec(),
-            cast_forward_inputs=self.cast_forward_inputs,
-        )
+        return self.flags()(model)
 
 
 def plain_layer_wrap(model: Any, mesh: Any) -> None:

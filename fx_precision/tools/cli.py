@@ -31,7 +31,6 @@ import math
 import os
 import sys
 from collections.abc import Callable, Sequence
-from dataclasses import replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
@@ -42,7 +41,7 @@ from fx_precision.tools.zoo import MODEL_HELP
 
 if TYPE_CHECKING:
     from fx_precision.tools.census_driver import CensusConfig
-    from fx_precision.tools.compare_sides import SideConfig
+    from fx_precision.training_side import RunConfig
 
 Handler = Callable[[argparse.Namespace], int]
 STDOUT = "-"
@@ -459,16 +458,21 @@ def _sweep_parser(sub: Any) -> None:
     p.set_defaults(handler=cmd_sweep)
 
 
-def _side_config(args: argparse.Namespace, inputs: bool = True) -> SideConfig:
-    from fx_precision.tools.compare_sides import SideConfig
+def _side_config(args: argparse.Namespace, inputs: bool = True, *, engine_dump: bool = False) -> RunConfig:
+    """The training side's RunConfig from the flags: a built-in side (the model by name, on the --batch x --seq-len token
+    batch), or, against an engine dump, the checkpoint the engine ran (on the dump's sequences)."""
+    from fx_precision.tools.compare_sides import built_in_side
+    from fx_precision.training_side import RunConfig
 
     if args.wrap is not None:
         raise PrecisionError(f"{args.verb} wraps each decoder layer under FSDP2 (--world-size N); --wrap is for `plan`")
     if getattr(args, "inner", "inductor") != "inductor" and not args.compiled:
         raise PrecisionError("--inner is the backend's inner compiler with --compiled; add --compiled or drop --inner")
-
-    return SideConfig(_census_config(args), world_size=_world_size(args), compiled=getattr(args, "compiled", False), inputs=inputs,
-                      inner=getattr(args, "inner", "inductor"))  # fmt: skip
+    flags = _census_config(args).flags()
+    side = RunConfig(args.model, policy=flags, compiled=getattr(args, "compiled", False), inner=getattr(args, "inner", "inductor"),
+                     world_size=_world_size(args), mesh=_mesh(args), record_inputs=inputs,
+                     eager_fix=getattr(args, "eager_fix", False))  # fmt: skip
+    return side if engine_dump else built_in_side(side, batch=args.batch, seq_len=args.seq_len)
 
 
 def cmd_dump(args: argparse.Namespace) -> int:
@@ -536,8 +540,7 @@ def cmd_compare(args: argparse.Namespace) -> int:
     elif is_engine_dump(args.rollout):
         from fx_precision.tools.train_side import against_engine_dump
 
-        side = replace(_side_config(args), contract=args.contract is not None)
-        sides = against_engine_dump(args.rollout, side, contract_engine=args.contract).sides()
+        sides = against_engine_dump(args.rollout, _side_config(args, engine_dump=True), contract_engine=args.contract).sides()
     else:
         if args.contract:
             raise PrecisionError("--contract follows an engine: give --rollout an engine dump (fx-precision rollout writes one)")
@@ -721,7 +724,7 @@ def cmd_rollout(args: argparse.Namespace) -> int:
     non_finite = sum(int((~torch.isfinite(v)).sum()) for v in values)
     total = sum(int(v.numel()) for v in values)
     data = {"out": args.out, "engine": engine, "contract": dump.contract, "sequences": sequences, "non_finite_logprobs": non_finite}
-    matched = contract.evidence.get("matched", {})
+    matched = contract.evidence.followed()
     warning = ""
     if non_finite:
         from fx_precision.checkpoints import non_finite_tensors

@@ -9,13 +9,14 @@
                    engine (sglang / vLLM run the bf16 checkpoint), not the engine itself
     rollout DIR    a dump written anywhere (an engine's own process, another machine)
 
-Both sides see the same token ids. In-process sides keep replays (op-level drill-down); a side on
+``built_in_side(RunConfig(name, policy=PolicyFlags(...), ...), batch=, seq_len=)`` makes the training side's RunConfig
+a built-in side (the CLI's flags give it); ``train_dump``, ``write_dump`` and ``built_in_sides`` run it. Both sides see
+the same token ids. In-process sides keep replays (op-level drill-down); a side on
 gloo ranks or compiled records what it can (module calls on ranks; only the logits when compiled).
 """
 
 from __future__ import annotations
 
-import functools
 import os
 import shutil
 import uuid
@@ -30,30 +31,8 @@ from fx_precision.dump import Dump, DumpRecorder, Record
 from fx_precision.errors import PrecisionError
 from fx_precision.out_dirs import replace_dir
 from fx_precision.ranks import launched, launcher_rank
-from fx_precision.tools.census_driver import CensusConfig
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
 from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, run_forward
-
-
-@dataclass(frozen=True)
-class SideConfig:
-    """compare's (and dump's) training side as the flags give it: the model and its policy knobs (the census driver's
-    CensusConfig: gather, compute, master, rules, the eager fix, the token batch), and how it runs. The built-in sides
-    and the side against an engine dump (tools/train_side.py) read the same one; each lowers it onto the training
-    side's RunConfig."""
-
-    policy: CensusConfig
-    world_size: int = 0  # 0: in-process, no FSDP2; N: FSDP2 on N gloo ranks
-    compiled: bool = False
-    inputs: bool = True  # built-in sides: record every module call's inputs too (the comparator's origins need them);
-    # against an engine dump: record module calls at all (False: the log-probs only)
-    inner: str = "inductor"  # the backend's inner compiler when compiled
-    contract: bool = False  # against an engine dump: follow the engine contract it recorded
-
-    @property
-    def model(self) -> str:
-        """The model: a built-in name or factory, or (against an engine dump) the checkpoint directory it ran."""
-        return self.policy.model
 
 
 def shared_model(name: str, seed: int = 0) -> nn.Module:
@@ -77,42 +56,56 @@ class ZooModel:
         return shared_model(self.name, self.seed)
 
 
-def _ids(model: nn.Module, cfg: CensusConfig) -> torch.Tensor:
-    return token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1)
+@dataclass(frozen=True)
+class ZooTokens:
+    """A built-in side's TokenSource: ``token_batch(model, batch, seq_len, seed)``, the same ids on both sides."""
+
+    batch: int = 2
+    seq_len: int = 16
+    seed: int = 1
+
+    def __call__(self, model: nn.Module) -> torch.Tensor:
+        return token_batch(model, batch=self.batch, seq_len=self.seq_len, seed=self.seed)
 
 
-def run_config(side: SideConfig) -> RunConfig:
-    """The training side's RunConfig (fx_precision/training_side.py) for these knobs; the eager fix is derived on the
-    very token ids the side runs."""
-    cfg = side.policy
-    if side.contract:
-        raise PrecisionError(
-            "SideConfig(contract=True) follows an engine dump's contract: the built-in sides have none (compare --rollout DUMP)"
-        )
-    ids = functools.partial(_ids, cfg=cfg) if cfg.eager_fix else None
-    return RunConfig(ZooModel(cfg.model, cfg.seed), policy=cfg.policy, compiled=side.compiled, inner=side.inner, eager_fix=cfg.eager_fix,
-                     example_ids=ids)  # fmt: skip
+def built_in_side(cfg: RunConfig, *, batch: int = 2, seq_len: int = 16, seed: int = 0) -> RunConfig:
+    """``cfg`` as a built-in side: its model (a built-in name, factory or config) built from ``seed`` with its fp32
+    masters rounded to bf16 (ZooModel), on a token batch of ``batch`` x ``seq_len``, the eager fix (where asked)
+    derived on the very token ids the side runs."""
+    if not isinstance(cfg.model, str):
+        raise PrecisionError("built_in_side: RunConfig(model=) names the built-in model (a name, factory or config)")
+    tokens = ZooTokens(batch, seq_len, seed + 1)
+    return replace(cfg, model=ZooModel(cfg.model, seed), tokens=tokens, example_ids=tokens if cfg.eager_fix else None)
 
 
-def train_dump(side: SideConfig) -> Dump:
+def _tokens(cfg: RunConfig, model: nn.Module) -> torch.Tensor:
+    if cfg.tokens is None:
+        raise PrecisionError("a built-in side runs its own token batch: RunConfig(tokens=...) (compare_sides.built_in_side)")
+    return cfg.tokens(model)
+
+
+def train_dump(cfg: RunConfig) -> Dump:
     """Record the training side (see the module docstring)."""
-    if side.world_size > 0:
+    if cfg.contract is not None:
+        raise PrecisionError("a built-in side follows no engine contract: the contract is an engine dump's (compare --rollout DUMP)")
+    if cfg.world_size > 0:
         from fx_precision.ranks import run_on_ranks
 
-        dumps = run_on_ranks(_train_on_rank, side.world_size, side, None)
+        dumps = run_on_ranks(_train_on_rank, cfg.world_size, cfg, None)
         return dumps[0]
-    return _record(build_training_side(run_config(side)), side)
+    return _record(build_training_side(cfg))
 
 
-def _record(train: TrainingSide, side: SideConfig, source: str = "train") -> Dump:
+def _record(train: TrainingSide, source: str = "train") -> Dump:
     """One forward of ``train`` on the side's token ids, recorded: module calls (with replays in process), or, compiled,
     the logits only."""
-    ids = _ids(train.model, side.policy)
+    ids = _tokens(train.cfg, train.model)
     if train.cfg.compiles():
         with torch.no_grad():
             logits = train.logits(ids)
         return _root_only(train.name, ids, logits, train.policy.compute, f"{source} (compiled: logits only)")
-    with torch.no_grad(), train.forward_context(), DumpRecorder(train.model, inputs=side.inputs, replay=not train.sharded) as recorder:
+    recording = DumpRecorder(train.model, inputs=train.cfg.record_inputs, replay=not train.sharded)
+    with torch.no_grad(), train.forward_context(), recording as recorder:
         train.run(ids)
     recorder.dump.source = f"{source} ({train.describe_policy()})"
     return recorder.dump
@@ -129,13 +122,13 @@ def _root_only(name: str, ids: torch.Tensor, logits: torch.Tensor, compute: torc
     return dump
 
 
-def _train_on_rank(rank: int, world_size: int, side: SideConfig, target: tuple[str, str] | None) -> Dump:
+def _train_on_rank(rank: int, world_size: int, cfg: RunConfig, target: tuple[str, str] | None) -> Dump:
     """Inside a gloo rank: FSDP2 under the policy, every rank on the same token ids, recorded."""
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)  # the same kernels, blocked alike, whatever the rank count: bitwise comparable
-    train = build_training_side(run_config(side), mesh=cpu_mesh(world_size, side.policy.mesh))
-    dump = _record(train, side, source=f"train rank {rank}/{world_size}")
+    train = build_training_side(cfg, mesh=cpu_mesh(world_size, cfg.mesh))
+    dump = _record(train, source=f"train rank {rank}/{world_size}")
     if target is not None:  # every rank writes its directory of the staging dump; one rename puts it in place
         staging, final = target
         dump.save(staging)
@@ -146,7 +139,7 @@ def _train_on_rank(rank: int, world_size: int, side: SideConfig, target: tuple[s
     return dump
 
 
-def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:
+def dump_on_ranks(cfg: RunConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:
     """``fx-precision dump --world-size N``: each rank writes ``out/rank{r}`` (one rank: ``out`` itself).
 
     The ranks write a staging directory beside ``out``, renamed into place once all are done: an
@@ -160,7 +153,7 @@ def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: b
     token = f"{os.getppid()}-{run_id}" if launched() and run_id else f"{os.getpid()}-{uuid.uuid4().hex[:8]}"  # PID: the writer, alive
     staging = final.parent / f".{final.name}.writing-{token}"
     try:
-        dumps = run_on_ranks(_train_on_rank, max(side.world_size, 1), side, (str(staging), str(final)))
+        dumps = run_on_ranks(_train_on_rank, max(cfg.world_size, 1), cfg, (str(staging), str(final)))
         if not launched():
             replace_dir(staging, final)
     finally:
@@ -169,14 +162,14 @@ def dump_on_ranks(side: SideConfig, out: str | os.PathLike[str], *, overwrite: b
     return dumps
 
 
-def write_dump(side: SideConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:
+def write_dump(cfg: RunConfig, out: str | os.PathLike[str], *, overwrite: bool = False) -> list[Dump]:
     """``fx-precision dump``: the train side recorded to ``out``, in process, or one directory per rank on FSDP2 ranks
     (under torchrun always: every rank writes its own)."""
     if launched():
-        side = replace(side, world_size=int(os.environ["WORLD_SIZE"]))
-    if side.world_size > 0:
-        return dump_on_ranks(side, out, overwrite=overwrite)
-    dump = train_dump(side)
+        cfg = replace(cfg, world_size=int(os.environ["WORLD_SIZE"]))
+    if cfg.world_size > 0:
+        return dump_on_ranks(cfg, out, overwrite=overwrite)
+    dump = train_dump(cfg)
     dump.save(out, overwrite=overwrite)
     return [dump]
 
@@ -192,26 +185,28 @@ class CompareSides:
     notes: list[str] = field(default_factory=list)
 
 
-def built_in_sides(side: SideConfig, rollout: str) -> CompareSides:
+def built_in_sides(cfg: RunConfig, rollout: str) -> CompareSides:
     """The train side against ``rollout``: the bf16 stand-in, or a dump directory."""
-    a, b = train_dump(side), rollout_dump(rollout, side)
-    return CompareSides(a, b, f"{side.policy.model}; fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}")
+    a, b = train_dump(cfg), rollout_dump(rollout, cfg)
+    name = cfg.model.name if isinstance(cfg.model, ZooModel) else cfg.model
+    return CompareSides(a, b, f"{name}; fp32 masters rounded to bf16 first\na: {describe(a)}\nb: {describe(b)}")
 
 
-def rollout_dump(rollout: str, train: SideConfig) -> Dump | str:
+def rollout_dump(rollout: str, train: RunConfig) -> Dump | str:
     """``bf16``: the stand-in rollout, in process; anything else: a dump directory."""
     if rollout != "bf16":
         if not os.path.isdir(rollout):
             raise PrecisionError(f"--rollout {rollout!r}: neither 'bf16' nor a dump directory")
         return rollout
-    cfg = replace(train.policy, compute=None, rules="", arch_rules=False)
-    model = shared_model(cfg.model, cfg.seed)
+    if not isinstance(train.model, ZooModel):
+        raise PrecisionError("--rollout bf16 is the stand-in of a built-in side: give --model a built-in name, factory or config")
+    model = train.model()  # the same fp32 masters rounded to bf16, no policy: bf16 weights, no autocast
     model.eval()  # as the training side runs its model
     with torch.no_grad():  # the weights, not the buffers: RoPE's inv_freq stays fp32, as engines keep it
         for p in model.parameters():
             if p.is_floating_point():
                 p.data = p.data.to(torch.bfloat16)
-    ids = _ids(model, cfg)
+    ids = _tokens(train, model)
     with torch.no_grad(), DumpRecorder(model, inputs=True, replay=True) as recorder:
         run_forward(model, ids, **forward_kwargs(model))
     recorder.dump.source = "rollout stand-in: bf16 weights, eager, no autocast"

@@ -1,7 +1,8 @@
 """The training side against a real engine's dump: the same checkpoint, the engine's token ids, as a dump.
 
-train_against(engine_dump, SideConfig(CensusConfig(model=checkpoint, ...), world_size, compiled, contract=...))
-├── the training side (fx_precision/training_side.py, from the SideConfig by engine_run_config): the checkpoint as fp32
+train_against(engine_dump, RunConfig(checkpoint, policy=PolicyFlags(...), contract=..., compiled=..., world_size=...))
+├── the training side (fx_precision/training_side.py; its RunConfig the one the CLI built, the eager fix's example ids
+│   the dump's first sequence: side_for_dump); against_engine_dump sets the contract the dump recorded: the checkpoint as fp32
 │   masters (they hold its bf16 values exactly, as after a weight sync); the policy as given (gather, compute,
 │   rules, the eager fix), or the engine contract's (gather bf16, compute bf16, and the contract's graph rewrites in
 │   the backend)
@@ -15,6 +16,7 @@ train_against(engine_dump, SideConfig(CensusConfig(model=checkpoint, ...), world
 
 from __future__ import annotations
 
+import copy
 import os
 from dataclasses import dataclass, replace
 from typing import Any
@@ -26,21 +28,16 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
 from fx_precision.logprobs import LogprobForm, token_logprobs
-from fx_precision.tools.census_driver import CensusConfig
-from fx_precision.tools.compare_sides import CompareSides, SideConfig
+from fx_precision.policy_flags import PolicyFlags
+from fx_precision.tools.compare_sides import CompareSides
 from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, compile_limits
 
 
-def engine_run_config(cfg: SideConfig, dump: Dump) -> RunConfig:
-    """The training side's RunConfig (fx_precision/training_side.py): the policy knobs (the eager fix included), and the
-    dump's contract."""
-    from fx_precision.contract import contract_of_dump
-
-    contract = contract_of_dump(dump) if cfg.contract else None
-    fix = cfg.policy.eager_fix  # derived on the dump's first sequence
-    example = torch.tensor([dump.sequences[0].tokens]) if fix and dump.sequences else None
-    return RunConfig(cfg.model, policy=cfg.policy.policy, contract=contract, compiled=cfg.compiled, inner=cfg.inner, eager_fix=fix,
-                     example_ids=example)  # fmt: skip
+def side_for_dump(cfg: RunConfig, dump: Dump) -> RunConfig:
+    """``cfg`` on ``dump``'s sequences: the eager fix (where asked) derived on the dump's first sequence."""
+    if cfg.eager_fix and dump.sequences:
+        return replace(cfg, example_ids=torch.tensor([dump.sequences[0].tokens]))
+    return cfg
 
 
 def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
@@ -114,14 +111,15 @@ class EngineRun:
         return CompareSides(self.train, self.engine, head, self.notes)
 
 
-def against_engine_dump(path: str, cfg: SideConfig, *, contract_engine: str | None = None) -> EngineRun:
+def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | None = None, follow: bool | None = None) -> EngineRun:
     """Read the engine dump at ``path`` against itself (``check_engine_dump``), hold the contract to its evidence where one
-    is followed (``contract_engine``: the engine it must be the contract of), and run the training side on its sequences."""
+    is followed (``contract_engine``: the engine it must be the contract of; ``follow``: the dump's contract whatever its
+    engine, default: where ``contract_engine`` is given), and run the training side on its sequences under it."""
     from fx_precision.contract import contract_notes, contract_of_dump
     from fx_precision.dump import check_engine_dump, load_dump
     from fx_precision.tools.zoo import is_checkpoint_path
 
-    if not is_checkpoint_path(cfg.model):
+    if not isinstance(cfg.model, str) or not is_checkpoint_path(cfg.model):
         raise PrecisionError(
             f"--rollout {path} is an engine dump: --model must be the checkpoint directory the engine ran, got {cfg.model!r}"
         )
@@ -130,14 +128,14 @@ def against_engine_dump(path: str, cfg: SideConfig, *, contract_engine: str | No
         raise PrecisionError(f"--rollout {path}: one dump per rank; an engine dump of this version is one directory")
     check_engine_dump(engine)
     contract, notes = None, []
-    if cfg.contract:
+    if follow if follow is not None else contract_engine is not None:
         contract = contract_of_dump(engine)
         if contract_engine is not None and contract.engine != contract_engine:
             raise PrecisionError(
                 f"--contract {contract_engine}: the dump holds {contract.engine}'s contract; pass --contract {contract.engine}"
             )
         notes = contract_notes(contract, engine.engine or {})
-    return EngineRun(train_against(engine, cfg), engine, contract, notes)
+    return EngineRun(train_against(engine, replace(cfg, contract=contract)), engine, contract, notes)
 
 
 def first_origin(checkpoint: str, rollout: str, *, contract: bool) -> dict[str, Any]:
@@ -146,7 +144,7 @@ def first_origin(checkpoint: str, rollout: str, *, contract: bool) -> dict[str, 
     on-policy loop's strict mode reports on the step it stopped at)."""
     from fx_precision.compare import compare
 
-    run = against_engine_dump(rollout, SideConfig(CensusConfig(model=checkpoint), contract=contract))
+    run = against_engine_dump(rollout, RunConfig(checkpoint, policy=PolicyFlags()), follow=contract)
     result = compare(run.train, run.engine)
     origin, op = result.first_origin, result.first_op
     return {"module": origin.fqn if origin else None, "op": op.op_a if op else None, "explanation": op.explanation if op else None}
@@ -160,10 +158,13 @@ def name_first_origin(run: Any, *, contract: bool) -> None:
     run.stopped += f"; first origin: {run.origin['module']} (op {run.origin['op']})"
 
 
-def train_against(dump: Dump, cfg: SideConfig) -> Dump:
-    """Record the training side on ``dump``'s sequences (see the module docstring)."""
+def train_against(dump: Dump, cfg: RunConfig) -> Dump:
+    """Record the training side on ``dump``'s sequences (see the module docstring), under ``cfg.contract`` where one is
+    given (the dump's own: ``contract_of_dump``)."""
     if not dump.sequences:
         raise PrecisionError(f"dump {dump.source} holds no token sequences; an engine dump (fx-precision rollout) does")
+    if not isinstance(cfg.model, str):
+        raise PrecisionError("the training side against an engine dump loads the checkpoint the engine ran: RunConfig(model=its directory)")
     if cfg.world_size > 0:
         from fx_precision.ranks import run_on_ranks
 
@@ -171,17 +172,18 @@ def train_against(dump: Dump, cfg: SideConfig) -> Dump:
         slim = replace(dump, records=[], calls=[], replays={})  # what a rank reads: sequences, steps, contract (not the records)
         return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg)[0]
     _check_weights(cfg.model, dump)
-    side = build_training_side(engine_run_config(cfg, dump))
+    side = build_training_side(side_for_dump(cfg, dump))
     _check_vocabulary(side, dump)
-    out = Dump(side.name, inputs=cfg.inputs and not side.cfg.compiles(), contract=dump.contract if cfg.contract else None)
+    followed = dump.contract if cfg.contract is not None else None
+    out = Dump(side.name, inputs=cfg.record_inputs and not side.cfg.compiles(), contract=followed)
     rows = _engine_rows(dump, side.policy)
     if side.cfg.compiles():
         _forward_all(side, dump, out, rows)
         out.source = f"{side.describe()}; rewrites {side.rewrites() or 'none'}"
-        if cfg.inputs and cfg.contract and _has_module_records(dump):
+        if cfg.record_inputs and cfg.contract is not None and _has_module_records(dump):
             _record_modules_under_contract(side, dump, out)
         return out
-    if cfg.inputs:
+    if cfg.record_inputs:
         with DumpRecorder(side.model, inputs=True, replay=True) as recorder:
             _forward_all(side, dump, out, rows)
         out.records = recorder.dump.records + out.records
@@ -211,7 +213,9 @@ def _record_modules_under_contract(side: TrainingSide, dump: Dump, out: Dump) ->
     names = {r.fqn for r in dump.records if r.io in ("in", "out")}
     rows = _engine_rows(dump, policy, steps="module_steps")
     torch._dynamo.reset()  # the hooks are part of what Dynamo traces: fresh graphs, with taps
-    tapped_side = _compile(replace(side, forward=None, backend=None))
+    tapped_side = copy.copy(side)  # the built side, its forward compiled again (the fields the steps set are not init fields)
+    tapped_side.backend = None
+    tapped_side = _compile(tapped_side)
     tapped = Dump(side.name)
     with TapRecorder(model, only=names) as taps:
         _forward_all(tapped_side, dump, tapped, rows)
@@ -308,15 +312,15 @@ def _check_vocabulary(side: TrainingSide, dump: Dump) -> None:
         )
 
 
-def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: SideConfig) -> Dump:
+def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: RunConfig) -> Dump:
     """Inside a gloo rank: the checkpoint under FSDP2 (per-layer units, the policy's plan), every rank
     on the same sequences; rank 0's log-probs are the side's."""
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)
-    side = build_training_side(engine_run_config(cfg, dump), mesh=cpu_mesh(world_size, cfg.policy.mesh))
+    side = build_training_side(side_for_dump(cfg, dump), mesh=cpu_mesh(world_size, cfg.mesh))
     _check_vocabulary(side, dump)
-    out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract else None)
+    out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract is not None else None)
     _forward_all(side, dump, out, _engine_rows(dump, side.policy))
     out.source = side.describe()
     return out

@@ -187,7 +187,7 @@ def test_two_engine_threads_hold_with_split_kv_off_and_split_kv_on_is_followed_o
             assert not any("split-KV" in n for n in notes), notes
         else:
             assert exact != named, (lp, notes)  # bitwise and unnamed, or parted and named
-            at_run = load_dump(str(dump)).contract["evidence"]["attention"]["at the run's calls"]
+            at_run = load_dump(str(dump)).contract["evidence"]["attention"]["at_run"]
             assert at_run["checked"] and bool(at_run.get("unmatched")) == named, at_run
 
 
@@ -223,7 +223,7 @@ def test_top_k_and_top_p_are_followed_in_the_processed_log_probs_and_leave_the_r
         assert (made.engine["top_k"], made.engine["top_p"]) == (40, 0.8)
         evidence = made.contract["evidence"]["logprobs"]
         assert made.contract["logprobs"] == mode and evidence["kept"] == mode and (evidence["top_k"], evidence["top_p"]) == (40, 0.8)
-        assert evidence["rows given"]["processed" if mode == "raw" else "raw"] == 0, evidence  # the forms parted on every row
+        assert evidence["rows_given"]["processed" if mode == "raw" else "raw"] == 0, evidence  # the forms parted on every row
         lp = compare(rollout["qwen3"], dump, "--contract", "vllm")["logprob"]
         assert lp["prompt"]["bitwise_share"] == 1.0 and lp["generated"]["bitwise_share"] == 1.0, (mode, lp)
         assert lp["generated"]["tokens"] == 4 * 6

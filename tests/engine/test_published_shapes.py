@@ -74,16 +74,17 @@ def test_a_planted_mismatch_is_named_by_its_origin_and_op(shaped: dict[str, Path
     the training side's module records under the contract, names the first norm after a residual add, and run alone
     on the engine's inputs under the contract, the op that made its differing output."""
     from fx_precision.compare import compare
-    from fx_precision.tools.census_driver import CensusConfig
-    from fx_precision.tools.compare_sides import SideConfig
+    from fx_precision.contract import contract_of_dump
+    from fx_precision.policy_flags import PolicyFlags
     from fx_precision.tools.train_side import train_against
+    from fx_precision.training_side import RunConfig
 
     engine = load_dump(str(shaped["dump"]))
     assert not isinstance(engine, dict)
     evidence = engine.contract["evidence"]  # planted with its evidence: a dump whose contract contradicts it is refused
     kept = {**evidence, "norm": {**evidence["norm"], "kept": "plain"}}
     planted = replace(engine, contract={**engine.contract, "norm": "plain", "evidence": kept})
-    train = train_against(planted, SideConfig(CensusConfig(model=str(shaped["checkpoint"])), contract=True))
+    train = train_against(planted, RunConfig(str(shaped["checkpoint"]), policy=PolicyFlags(), contract=contract_of_dump(planted)))
     result = compare(train, planted)
     assert result.logprob is not None and result.logprob["prompt"]["bitwise_share"] < 0.5
     assert result.first_origin is not None and result.first_origin.fqn == "model.layers.0.post_attention_layernorm"

@@ -19,6 +19,7 @@ import math
 import os
 import time
 from collections.abc import Iterable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -26,9 +27,9 @@ import torch
 from fx_precision.checkpoints import read_checkpoint_config, tensors_digest, weights_digest
 from fx_precision.contract import EngineContract, RotaryOp
 from fx_precision.contract.batch_rows import attention_calls
+from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.probing import (
-    attention_followed,
     check_attention_calls,
     match_attention,
     match_logprobs,
@@ -169,14 +170,14 @@ def _logprob(entry: dict[int, Any] | None, token: int) -> float:
     return float(entry[token].logprob)
 
 
-def _never_fatal(op_class: OpClass, read: Any, *args: Any) -> tuple[Any, dict[str, Any]]:
-    """``read(*args)`` -> (value, evidence), or (None, why it failed) where the probe itself could not run (a candidate
-    this CPU cannot execute, an engine op that refuses the probe's shapes): the rollout, its dump and the as-is
-    comparison go on, and only the contract refuses this op class, with the reason."""
+def _never_fatal(op_class: OpClass, kind: type[Any], read: Any, *args: Any) -> tuple[Any, Any]:
+    """``read(*args)`` -> (value, evidence), or (None, evidence of ``kind`` saying why it failed) where the probe itself
+    could not run (a candidate this CPU cannot execute, an engine op that refuses the probe's shapes): the rollout,
+    its dump and the as-is comparison go on, and only the contract refuses this op class, with the reason."""
     try:
         return read(*args)
     except (PrecisionError, RuntimeError, ValueError) as exc:
-        return None, {"failed": True, "why": f"the {op_class} probe could not run here: {_last_line(exc)}"}
+        return None, kind(why=f"the {op_class} probe could not run here: {_last_line(exc)}", failed=True)
 
 
 class VllmSession:
@@ -253,7 +254,7 @@ class VllmSession:
         self.norm_calls = {"with_residual": 0, "without": 0}
         # what the probes read stays read while this engine lives (forms and orders do not depend on the weights'
         # values): a later run probes only the calls it is the first to make
-        self._probed: dict[OpClass, tuple[Any, dict[str, Any]]] = {}
+        self._probed: dict[OpClass, tuple[Any, Any]] = {}  # op class -> (what it kept, its evidence)
         self._attention_seen: dict[tuple[tuple[int, int], ...], str | None] = {}
         self._linears_seen: dict[tuple[int, int, int], tuple[str, Any, dict[str, Any]]] = {}
         from safetensors import safe_open
@@ -331,66 +332,59 @@ class VllmSession:
         Rotary, norm and the attention arithmetic are read once per engine; the run's attention calls and linear calls
         are checked where no earlier run of this engine made them; the log-probs are read off every run."""
         gen = torch.Generator().manual_seed(20261201)
-        evidence: dict[str, Any] = {"attention_isa": self.info["attention_isa"], "kernels": self.info["kernels"],
-                                    "cpu_family": self.info["cpu_family"]}  # fmt: skip
-        unmatched: list[tuple[OpClass, str]] = []
-
-        def kept(op_class: OpClass, value: Any, found: dict[str, Any]) -> Any:
-            evidence[str(op_class)] = found
-            if value is None:
-                unmatched.append((op_class, str(found.get("why", "no candidate matched"))))
-            return value
-
-        for op_class, read in ((OpClass.ROTARY, self._rotary), (OpClass.NORM, self._norm), (OpClass.ATTENTION, self._attention_arith)):
+        for op_class, kind, read in ((OpClass.ROTARY, CandidateEvidence, self._rotary), (OpClass.NORM, CandidateEvidence, self._norm),
+                                     (OpClass.ATTENTION, AttentionEvidence, self._attention_arith)):  # fmt: skip
             if op_class not in self._probed:
-                self._probed[op_class] = _never_fatal(op_class, read, gen)
+                self._probed[op_class] = _never_fatal(op_class, kind, read, gen)
         if self.compiled:  # the modules' eager forms are not what the compiled graph computes: not followed, said why
             for op_class in (OpClass.ROTARY, OpClass.NORM, OpClass.EAGER_MATH):
-                self._probed[op_class] = (None, {"why": COMPILED_ENGINE})
-        rotary = kept(OpClass.ROTARY, *self._probed[OpClass.ROTARY])
-        norm = kept(OpClass.NORM, *self._probed[OpClass.NORM])
-        if self.compiled:
-            kept(OpClass.EAGER_MATH, *self._probed[OpClass.EAGER_MATH])
-        attention = kept(OpClass.ATTENTION, *_never_fatal(OpClass.ATTENTION, self._attention_at_run, generation, gen))
+                self._probed[op_class] = (None, CandidateEvidence(why=COMPILED_ENGINE))
+        rotary, rotary_found = self._probed[OpClass.ROTARY]
+        norm, norm_found = self._probed[OpClass.NORM]
+        attention, attention_found = _never_fatal(OpClass.ATTENTION, AttentionEvidence, self._attention_at_run, generation, gen)
         body = {len(rows) for rows in generation.steps} | ({len(rows) for rows in module_pass.steps} if module_pass else set())
         logits = {rows for _, rows in generation.logits_calls} | ({rows for _, rows in module_pass.logits_calls} if module_pass else set())
         calls = linear_calls(self.model, self.info["checkpoint"])
-        linears, linear_evidence = _never_fatal(OpClass.LINEARS, read_linear_calls, calls, body, logits, int(self.info["threads"]), gen,
-                                                self._linears_seen)  # fmt: skip
+        linears, linear_found = _never_fatal(OpClass.LINEARS, LinearEvidence, read_linear_calls, calls, body, logits,
+                                             int(self.info["threads"]), gen, self._linears_seen)  # fmt: skip
+        logprobs, logprob_found = match_logprobs(generation)
+        evidence = ContractEvidence(
+            attention_isa=self.info["attention_isa"], kernels=self.info["kernels"], cpu_family=self.info["cpu_family"],
+            rotary=rotary_found, norm=norm_found, eager_math=self._probed[OpClass.EAGER_MATH][1] if self.compiled else None,
+            attention=attention_found, linears=linear_found, logprobs=replace(logprob_found, mode=f"{self.cfg.logprobs}_logprobs"),
+        )  # fmt: skip
+        found_by_class: tuple[tuple[OpClass, Any, Any], ...] = (
+            (OpClass.ROTARY, rotary, rotary_found), (OpClass.NORM, norm, norm_found),
+            (OpClass.EAGER_MATH, not self.compiled, evidence.eager_math), (OpClass.ATTENTION, attention, attention_found),
+            (OpClass.LINEARS, linear_found.followed(), linear_found), (OpClass.LOGPROBS, logprobs, logprob_found),
+        )  # fmt: skip
+        unmatched = tuple((op_class, str(found.why or "no candidate matched")) for op_class, value, found in found_by_class
+                          if value is None or value is False)  # fmt: skip
         linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
-        evidence[str(OpClass.LINEARS)] = linear_evidence
-        if linear_evidence.get("unmatched") or linear_evidence.get("failed"):
-            unmatched.append((OpClass.LINEARS, str(linear_evidence.get("why"))))
-        logprobs, found = match_logprobs(generation)
-        evidence[str(OpClass.LOGPROBS)] = {**found, "mode": f"{self.cfg.logprobs}_logprobs"}
-        if logprobs is None:
-            unmatched.append((OpClass.LOGPROBS, str(found.get("why"))))
-        evidence["matched"] = {
-            "rotary": rotary is not None, "norm": norm is not None, "attention": attention_followed(attention, evidence["attention"]),
-            "linears": not linear_evidence.get("unmatched") and not linear_evidence.get("failed"),
-        }  # fmt: skip
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
-                              self.info["aten_capability"], tuple(unmatched), evidence)  # fmt: skip
+                              self.info["aten_capability"], unmatched, evidence)  # fmt: skip
 
-    def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, dict[str, Any]]:
+    def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, CandidateEvidence]:
         rope = first_module(self.model, "RotaryEmbedding")
         if rope is None:
-            return RotaryOp(RotaryForm.NONE, None), {"kept": "none", "why": "the model has no rotary module"}
+            return RotaryOp(RotaryForm.NONE, None), CandidateEvidence(kept="none", details={"module": "the model has no rotary module"})
         if not hasattr(rope, "cos_sin_cache"):  # transformers' module (the engine's Transformers backend): the training side's code
-            return RotaryOp(RotaryForm.NATIVE, None), {"kept": "native", "module": f"{type(rope).__module__}.{type(rope).__name__}"}
+            module = f"{type(rope).__module__}.{type(rope).__name__}"
+            return RotaryOp(RotaryForm.NATIVE, None), CandidateEvidence(kept="native", details={"module": module})
         if not rope.is_neox_style:  # GPT-J style pairs: the contract's rotary takes neox halves
-            return None, {"why": "interleaved (GPT-J style) rotary pairs: not followed"}
+            return None, CandidateEvidence(why="interleaved (GPT-J style) rotary pairs: not followed")
         head, rot = int(rope.head_size), int(rope.rotary_dim)
         return match_rotary(lambda p, q, k: rope(p, q, k), rope.cos_sin_cache, head, rot, int(rope.max_position_embeddings), gen)
 
-    def _norm(self, gen: torch.Generator) -> tuple[NormForm | None, dict[str, Any]]:
+    def _norm(self, gen: torch.Generator) -> tuple[NormForm | None, CandidateEvidence]:
         norm, how = fused_norm(self.model)
+        plain = str(NormForm.PLAIN)
         if self.norm_calls["without"] and not self.norm_calls["with_residual"]:  # the model adds its residual itself (Granite)
-            return NormForm.PLAIN, {"kept": "plain", "called": dict(self.norm_calls)}
+            return NormForm.PLAIN, CandidateEvidence(kept=plain, details={"called": str(dict(self.norm_calls))})
         if how == "none":
-            return NormForm.PLAIN, {"kept": "plain", "why": "no norm after an attention block"}
+            return NormForm.PLAIN, CandidateEvidence(kept=plain, details={"module": "no norm after an attention block"})
         if how in ("model", "no residual"):
-            return NormForm.PLAIN, {"kept": "plain", "module": f"{type(norm).__name__}: {how}"}
+            return NormForm.PLAIN, CandidateEvidence(kept=plain, details={"module": f"{type(norm).__name__}: {how}"})
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         return match_norm(lambda x, r: norm(x, r)[0], norm.weight.detach(), eps, gen)
 
@@ -406,17 +400,16 @@ class VllmSession:
 
         return run, heads, kv_heads, dim
 
-    def _attention_arith(self, gen: torch.Generator) -> tuple[Any, dict[str, Any]]:
+    def _attention_arith(self, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         run, heads, kv_heads, dim = self._attention_run()
         return match_attention(run, heads, kv_heads, dim, gen)
 
-    def _attention_at_run(self, generation: Generation, gen: torch.Generator) -> tuple[Any, dict[str, Any]]:
+    def _attention_at_run(self, generation: Generation, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         arith, found = self._probed[OpClass.ATTENTION]
-        found = dict(found)
         if arith is not None:
             run, heads, kv_heads, dim = self._attention_run()
             shapes = attention_calls(generation.sequences, generation.steps)
-            found["at the run's calls"] = check_attention_calls(run, arith, shapes, heads, kv_heads, dim, gen, self._attention_seen)
+            found = replace(found, at_run=check_attention_calls(run, arith, shapes, heads, kv_heads, dim, gen, self._attention_seen))
         return arith, found
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
