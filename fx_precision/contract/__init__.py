@@ -294,6 +294,17 @@ def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str
                 f"the engine ran split-KV attention on {engine['threads']} threads (a decode row's keys split across threads, "
                 "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
             )
+    from fx_precision.contract.attention_tiles import longest_row, smallest_kv_tile
+
+    tile = smallest_kv_tile(engine.get("attention_isa"), engine.get("l2_cache_bytes"), engine.get("head_dim"))
+    longest = longest_row(engine)
+    if tile is not None and contract.attention is not None and longest > tile:
+        notes.append(
+            f"rows of this run see up to {longest} keys, more than the engine's smallest KV tile here ({tile} keys at head_dim "
+            f"{engine.get('head_dim')}, from its L2 of {engine.get('l2_cache_bytes')} bytes): where the engine took a row's keys in "
+            "two tiles (its online-softmax rescale between them) the contract's one pass parts from it; roll out shorter "
+            "sequences to stay within one tile (docs/engine-contract.md, KV tiles)"
+        )
     if at_run is not None and at_run.checked < at_run.calls:
         notes.append(f"{at_run.checked} of the run's {at_run.calls} distinct attention calls were checked against the engine; "
                      "the rest were not: roll out fewer or shorter sequences per call to have every call checked")  # fmt: skip

@@ -104,6 +104,11 @@ def _dist_name() -> str | None:
     return None
 
 
+def _head_dim(config: Any) -> int | None:
+    heads = int(getattr(config, "num_attention_heads", 0) or 0)
+    return int(getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)) or None
+
+
 def _kernel_build() -> str:
     """Which of vLLM's CPU kernel libraries it chose (vllm/platforms/cpu.py import_kernels)."""
     if not torch.cpu._is_avx512_supported():
@@ -244,6 +249,8 @@ class VllmSession:
             "cpu_flags": sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
             "threads": torch.get_num_threads(),
             "block_size": int(self.llm.llm_engine.vllm_config.cache_config.block_size),
+            "l2_cache_bytes": int(torch.cpu.get_capabilities().get("l2_cache_size") or 0) or None,  # the attention tiles from it
+            "head_dim": _head_dim(self.config),
             "max_model_len": self.max_len,
             "checkpoint": str(cc.file.parent.resolve()),
             "weights": weights_digest(cc.file.parent),
