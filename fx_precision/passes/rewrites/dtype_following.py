@@ -125,31 +125,33 @@ def retarget_weight_following(
         new = _followed_weight(node, old, reads, before)
         if new is None:
             continue
-        _set_target(node, where, key, new)
-        subject = node.args[0] if node.args and isinstance(node.args[0], fx.Node) else None
         names.add(node.name)
-        changed.append(
-            InsertedCast(
-                node.name,
-                subject.name if subject is not None else node.name,
-                node_dtype(subject) if subject is not None else old,
-                new,
-                f"weight-following cast retargeted {dtype_name(old)} -> {dtype_name(new)}: it meets, at an op that needs one dtype, "
-                f"a weight read now at {dtype_name(new)} (traced as {(source_line(node) or '').split(': ', 1)[-1].strip()!r})",
-                module_path(node),
-                kind=CastKind.RETARGET,
-            )
-        )
+        traced = (source_line(node) or "").split(": ", 1)[-1].strip()
+        why = (f"weight-following cast retargeted {dtype_name(old)} -> {dtype_name(new)}: it meets, at an op that needs one dtype, "
+               f"a weight read now at {dtype_name(new)} (traced as {traced!r})")  # fmt: skip
+        changed.append(_retargeted(node, where, key, old, new, why, cast=True))
     return changed, names
 
 
-def _set_target(node: fx.Node, where: str, key: int | str, new: torch.dtype) -> None:
+def _retargeted(node: fx.Node, where: str, key: int | str, old: torch.dtype, new: torch.dtype, why: str, *, cast: bool) -> InsertedCast:
+    """Set ``node``'s dtype argument (``where``: args or kwargs, at ``key``) from ``old`` to ``new``, and the record of it
+    (``cast``: the node casts its first argument, the subject; else a factory, its own subject)."""
     if where == "args":
         args = list(node.args)
         args[int(key)] = new
         node.args = tuple(args)
     else:
         node.kwargs = {**node.kwargs, "dtype": new}
+    subject = node.args[0] if cast and node.args and isinstance(node.args[0], fx.Node) else None
+    return InsertedCast(
+        node.name,
+        subject.name if subject is not None else node.name,
+        node_dtype(subject) if subject is not None else old,
+        new,
+        why,
+        module_path(node),
+        kind=CastKind.RETARGET,
+    )
 
 
 def retarget_dtype_following(
@@ -186,20 +188,9 @@ def retarget_dtype_following(
             continue
         where, key, old = target
         new = narrowed[old]
-        _set_target(node, where, key, new)
-        subject = node.args[0] if node.args and isinstance(node.args[0], fx.Node) and not factory else None
-        changed.append(
-            InsertedCast(
-                node.name,
-                subject.name if subject is not None else node.name,
-                node_dtype(subject) if subject is not None else old,
-                new,
-                f"dtype-following {'factory' if factory else 'cast'} retargeted {dtype_name(old)} -> {dtype_name(new)} "
-                f"(traced as {code.strip()!r})",
-                module_path(node),
-                kind=CastKind.RETARGET,
-            )
-        )
+        what = "factory" if factory else "cast"
+        why = f"dtype-following {what} retargeted {dtype_name(old)} -> {dtype_name(new)} (traced as {code.strip()!r})"
+        changed.append(_retargeted(node, where, key, old, new, why, cast=not factory))
     changed += _retarget_stream_constants(gm, narrowed, inserted, before)
     if changed:
         gm.recompile()
