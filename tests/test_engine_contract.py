@@ -764,21 +764,3 @@ def test_a_recompute_under_the_contract_gives_the_same_bits_or_is_refused_in_one
     with pytest.raises(Exception, match=r"holds a nested graph.*does not rewrite"):  # Dynamo wraps the backend's PrecisionError
         with policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
             whole(input_ids=ids, use_cache=False)
-
-
-def test_rows_past_the_engines_smallest_kv_tile_are_named() -> None:
-    """vLLM's CPU attention takes a row's keys in KV tiles sized from the engine's L2 cache (320 keys at head_dim 128
-    on a 1 MiB L2, 736 on Sapphire Rapids' 2 MiB with AMX); the contract's kernel is one pass, so a run whose rows see
-    more keys than the smallest tile is named in the notes, and a run within it is not."""
-    from fx_precision.contract import contract_notes
-    from fx_precision.contract.attention_tiles import smallest_kv_tile
-
-    tiles = (smallest_kv_tile("vec", 1 << 20, 128), smallest_kv_tile("vec", 1 << 20, 64), smallest_kv_tile("amx", 2 << 20, 128))
-    assert tiles == (320, 640, 736)
-    assert smallest_kv_tile("vec16", 1 << 20, 128) is None and smallest_kv_tile("vec", None, 128) is None
-    engine = {"attention_isa": "vec", "l2_cache_bytes": 1 << 20, "head_dim": 128}
-    within = {**engine, "steps": [[(p, 1) for p in range(300)], [(300, 2)]]}
-    past = {**engine, "steps": [[(p, 1) for p in range(513)]], "module_steps": [[(p, 1) for p in range(529)]]}
-    assert not any("KV tile" in n for n in contract_notes(PORTABLE, within))
-    named = [n for n in contract_notes(PORTABLE, past) if "KV tile" in n]
-    assert len(named) == 1 and "up to 529 keys" in named[0] and "320 keys at head_dim 128" in named[0], named

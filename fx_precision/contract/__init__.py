@@ -6,7 +6,8 @@
     │               the rounded sum: vLLM's fused_add_rms_norm) | plain (the model adds the residual itself)
     ├── rotary      RotaryOp: kernel (fp32 math, one store at ``rounding``) | native (torch forms) | none
     ├── attention   AttentionArithmetic: scores (amx | vec), exp (libm | fast512), lane sum (avx512 | avx2),
-    │               P at bf16 or fp32, fused multiply-adds, the store's rounding
+    │               P at bf16 or fp32, fused multiply-adds, the store's rounding; ``kv_tiling`` (KvTiling,
+    │               contract/attention_tiles.py): where the engine placed each row's KV tiles (its L2, threads)
     ├── linears     LinearOrders: the order the engine's GEMM sums each linear's outputs in, per weight shape
     │               and rows per call, read at its thread count (contract/linear_order.py); the training
     │               side computes each row in its engine call's order (contract/batch_rows.py)
@@ -33,6 +34,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
@@ -127,7 +129,9 @@ class RotaryOp:
             raise PrecisionError(str(exc).replace("RotaryOp.", f"{where}.").replace("RotaryOp(", f"{where}(")) from None
 
 
-_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
+# a contract written before KV tiles were followed has no kv_tiling: one tile per row
+_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence",
+           "kv_tiling")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -145,6 +149,7 @@ class EngineContract:
     eager_math: str | None = None  # the ATen CPU capability of the engine's eager kernels (None: not recorded, in-code contracts)
     unmatched: tuple[tuple[OpClass, str], ...] = ()
     evidence: ContractEvidence = field(default_factory=ContractEvidence)  # what each probe found (contract/evidence.py)
+    kv_tiling: KvTiling | None = None  # where the engine's attention placed its KV tiles (None: one tile per row)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -167,6 +172,8 @@ class EngineContract:
         object.__setattr__(self, "unmatched", unmatched)
         if not isinstance(self.evidence, ContractEvidence):
             raise PrecisionError(f"EngineContract.evidence: a ContractEvidence, got {type(self.evidence).__name__}")
+        if self.kv_tiling is not None and not isinstance(self.kv_tiling, KvTiling):
+            raise PrecisionError(f"EngineContract.kv_tiling: a KvTiling or None, got {type(self.kv_tiling).__name__}")
         missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention, OpClass.LOGPROBS: self.logprobs}
         for op_class, value in missing.items():
             if value is None and op_class not in self.why_unmatched():
@@ -190,7 +197,8 @@ class EngineContract:
         parts = [
             f"norm {self.norm or 'unmatched'}",
             f"rotary {self.rotary.describe() if self.rotary else 'unmatched'}",
-            f"attention {self.attention.describe() if self.attention else 'unmatched'}",
+            f"attention {self.attention.describe() if self.attention else 'unmatched'}"
+            + (f" in the engine's KV tiles ({self.kv_tiling.describe()})" if self.kv_tiling and self.attention else ""),
             f"linears: {self.linears.describe()}",
             *([f"eager math at {self.eager_math}"] if self.eager_math else []),
             f"log-probs {self.logprobs or 'unmatched'}",
@@ -209,11 +217,12 @@ class EngineContract:
             "eager_math": self.eager_math,
             "unmatched": [[str(c), why] for c, why in self.unmatched],
             "evidence": self.evidence.to_dict(),
+            "kv_tiling": self.kv_tiling.to_dict() if self.kv_tiling is not None else None,
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> EngineContract:
-        data = _object(data, "contract", _FIELDS)
+        data = _object(data, "contract", _FIELDS if isinstance(data, dict) and "kv_tiling" in data else _FIELDS[:-1])
         unmatched = data["unmatched"]
         if not isinstance(unmatched, list) or any(
             not isinstance(u, list) or len(u) != 2 or not all(isinstance(x, str) for x in u) for u in unmatched
@@ -231,6 +240,7 @@ class EngineContract:
                 eager_math=data["eager_math"],
                 unmatched=tuple((c, why) for c, why in unmatched),
                 evidence=ContractEvidence.from_dict(data["evidence"]),
+                kv_tiling=KvTiling.from_dict(data["kv_tiling"]) if data.get("kv_tiling") is not None else None,
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
@@ -289,21 +299,22 @@ def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str
     at_run = contract.evidence.attention.at_run if contract.evidence.attention is not None else None
     if at_run is not None and at_run.unmatched:
         notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run.unmatched[:3])}")
-        if int(engine.get("threads") or 1) > 1 and engine.get("split_kv"):
+        if int(engine.get("threads") or 1) > 1 and engine.get("split_kv") and contract.kv_tiling is None:
             notes.append(
                 f"the engine ran split-KV attention on {engine['threads']} threads (a decode row's keys split across threads, "
-                "partial softmaxes merged), which the contract does not follow: roll out with --split-kv off (or --threads 1)"
+                "partial softmaxes merged), which a contract without a KV tiling does not follow: roll out again with this "
+                "version, or with --split-kv off (or --threads 1)"
             )
     from fx_precision.contract.attention_tiles import longest_row, smallest_kv_tile
 
     tile = smallest_kv_tile(engine.get("attention_isa"), engine.get("l2_cache_bytes"), engine.get("head_dim"))
     longest = longest_row(engine)
-    if tile is not None and contract.attention is not None and longest > tile:
+    if tile is not None and contract.attention is not None and contract.kv_tiling is None and longest > tile:
         notes.append(
             f"rows of this run see up to {longest} keys, more than the engine's smallest KV tile here ({tile} keys at head_dim "
-            f"{engine.get('head_dim')}, from its L2 of {engine.get('l2_cache_bytes')} bytes): where the engine took a row's keys in "
-            "two tiles (its online-softmax rescale between them) the contract's one pass parts from it; roll out shorter "
-            "sequences to stay within one tile (docs/engine-contract.md, KV tiles)"
+            f"{engine.get('head_dim')}, from its L2 of {engine.get('l2_cache_bytes')} bytes), and this contract records no KV "
+            "tiling (written before tiles were followed): where the engine took a row's keys in two tiles the contract's one "
+            "pass parts from it; roll out again with this version (docs/engine-contract.md, KV tiles)"
         )
     if at_run is not None and at_run.checked < at_run.calls:
         notes.append(f"{at_run.checked} of the run's {at_run.calls} distinct attention calls were checked against the engine; "

@@ -31,16 +31,19 @@ from typing import Any
 
 import torch
 
+from fx_precision.contract.attention_tiles import ONE_TILE, KvTiling, RowTiles
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.errors import PrecisionError
 
 
 @dataclass(frozen=True)
 class RowPlan:
-    """Per token row of one sequence: the rows of the engine call that computed it (0: never computed)."""
+    """Per token row of one sequence: the rows of the engine call that computed it (0: never computed), and where
+    that call's attention took the row's keys in (its split-KV parts and KV tiles: attention_tiles.RowTiles)."""
 
     body: tuple[int, ...]  # one per token
     logits: tuple[int, ...]  # one per token but the last
+    kv_tiles: tuple[RowTiles, ...] | None = None  # one per token; None: not planned (one tile per row)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, T] int32 each (the logits row of the last token: 0)."""
@@ -119,9 +122,11 @@ def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str 
     return f"the engine computed logits in other batches than assumed (expected but absent: {missing}; recorded, unexpected: {extra})"
 
 
-def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: bool = True) -> list[RowPlan]:
+def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: bool = True,
+              tiling: KvTiling | None = None) -> list[RowPlan]:  # fmt: skip
     """The row plan of every sequence (module docstring), after the recorded logits calls are checked against it
-    (``with_logits=False``: the body's rows only, the logits plan left at 0)."""
+    (``with_logits=False``: the body's rows only, the logits plan left at 0); ``tiling``: each row's KV tiles too,
+    as the engine's attention placed them in the step that computed the row."""
     steps = _steps(engine)
     step_of = steps_of(sequences, steps)
     differs = check_logits_calls(sequences, engine) if with_logits else None
@@ -145,7 +150,67 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
             else:
                 logits.append(requests[step])
         plans.append(RowPlan(body, tuple(logits)))
+    if tiling is not None:
+        tiles = kv_tiles_of(sequences, steps, step_of, tiling)
+        plans = [RowPlan(p.body, p.logits, t) for p, t in zip(plans, tiles, strict=True)]
     return plans
+
+
+def step_requests(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+    """Each engine step's requests as the attention call held them, in the step's order: (query rows, keys) per run
+    of the step's rows at consecutive positions that is a slice of some sequence (a request's rows are consecutive;
+    a run no sequence holds whole is cut where it stops matching one)."""
+    tokens = [[int(t) for t in s.tokens] for s in sequences]
+
+    def holds(i: int, position: int, token: int) -> bool:
+        return len(tokens[i]) > position and tokens[i][position] == token
+
+    out = []
+    for rows in steps:
+        requests: list[tuple[int, int]] = []
+        start = 0
+        while start < len(rows):
+            holders = [i for i in range(len(tokens)) if holds(i, *rows[start])]
+            end = start + 1
+            while end < len(rows) and rows[end][0] == rows[end - 1][0] + 1:
+                still = [i for i in holders if holds(i, *rows[end])]
+                if not still:
+                    break
+                holders = still
+                end += 1
+            requests.append((end - start, rows[end - 1][0] + 1))
+            start = end
+        out.append(requests)
+    return out
+
+
+def kv_tiles_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], step_of: list[list[int | None]],
+                tiling: KvTiling) -> list[tuple[RowTiles, ...]]:  # fmt: skip
+    """Per sequence, per row: how the engine step that computed it took its keys (split-KV parts, KV tiles), its
+    request there the one that ends where the sequence's rows of that step end (one tile where no step computed it)."""
+    requests = step_requests(sequences, steps)
+    per_step = [tiling.query_row_tiles(r) for r in requests]
+    out = []
+    for found in step_of:
+        tiles: list[RowTiles] = []
+        span: dict[int, tuple[int, int]] = {}  # step -> the first and last row of this sequence it computed
+        for r, step in enumerate(found):
+            if step is not None:
+                span[step] = (span.get(step, (r, r))[0], r)
+        for r, step in enumerate(found):
+            if step is None:
+                tiles.append(ONE_TILE)
+                continue
+            first, last = span[step]
+            index = next((i for i, (q, keys) in enumerate(requests[step]) if keys == last + 1 and keys - q == first), None)
+            if index is None:
+                index = next((i for i, (q, keys) in enumerate(requests[step]) if keys - q <= r < keys), None)
+            if index is None:
+                raise PrecisionError(f"engine rows: row {r} of a sequence is in no request of engine step {step}; roll out again")
+            q, keys = requests[step][index]
+            tiles.append(per_step[step][index][r - (keys - q)])
+        out.append(tuple(tiles))
+    return out
 
 
 @dataclass(frozen=True)
@@ -158,6 +223,7 @@ class EngineRows:
     orders: LinearOrders
     fused: Mapping[str, int] = field(default_factory=dict)  # module path -> width of the engine GEMM it is part of,
     # for a linear whose siblings another graph holds (a graph break between them): see fused_linear_widths
+    kv_tiles: torch.Tensor | None = None  # [B, T, N, 4] int32: each row's split-KV parts and tiles (attention_tiles.py)
 
     @classmethod
     def of(cls, plans: Sequence[RowPlan], orders: LinearOrders, length: int | None = None,
@@ -168,11 +234,18 @@ class EngineRows:
             raise PrecisionError(f"engine rows: a row plan is longer than the batch's {width} positions")
         body = torch.zeros(len(plans), width, dtype=torch.int32)
         logits = torch.zeros(len(plans), width, dtype=torch.int32)
+        parts = max((len(row) for p in plans for row in p.kv_tiles or ()), default=0)
+        kv_tiles = torch.tensor(ONE_TILE * parts, dtype=torch.int32).repeat(len(plans), width, 1, 1) if parts else None
         for i, p in enumerate(plans):
             b, lg = p.tensors()
             body[i, : b.shape[1]] = b[0]
             logits[i, : lg.shape[1]] = lg[0]
-        return cls(body, logits, orders, dict(fused or {}))
+            if kv_tiles is None:
+                continue
+            for t, row in enumerate(p.kv_tiles or ()):
+                kv_tiles[i, t] = 0  # parts past a row's own: empty
+                kv_tiles[i, t, : len(row)] = torch.tensor(row, dtype=torch.int32)
+        return cls(body, logits, orders, dict(fused or {}), kv_tiles)
 
 
 @dataclass
@@ -210,16 +283,5 @@ def active_forward() -> ContractForward | None:
 
 def attention_calls(sequences: list[Any], steps: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, int], ...]]:
     """Each engine step's attention call as the requests it held: (query rows, keys) per request, in the step's order
-    (rows mapped to their sequences by contract.batch_rows.steps_of); distinct calls only."""
-    owner: dict[tuple[int, int], list[tuple[int, int]]] = {}  # (step, row index in it) <- (sequence, position)
-    for s, found in enumerate(steps_of(sequences, steps)):
-        for position, step in enumerate(found):
-            if step is not None:
-                owner.setdefault((step, s), []).append((s, position))
-    shapes: dict[tuple[tuple[int, int], ...], None] = {}
-    for i, _rows in enumerate(steps):
-        requests = sorted((positions[0][1], s, len(positions), positions[-1][1] + 1) for (step, s), positions in owner.items() if step == i)
-        shape = tuple((q, kv) for _, _, q, kv in sorted(requests, key=lambda r: r[1]))
-        if shape:
-            shapes.setdefault(shape, None)
-    return list(shapes)
+    (``step_requests``); distinct calls only."""
+    return list(dict.fromkeys(tuple(requests) for requests in step_requests(sequences, steps) if requests))

@@ -13,6 +13,14 @@
 //                                                         vec: p_j in fp32; mul then add (or fused)
 //   output    o[d] * (float)(1.0 / (double)l), stored to bf16 by rounding to nearest even, or truncating
 //
+// KV tiles: the engine takes a row's keys in tiles (contract/attention_tiles.py says which), and the softmax
+// runs online across them: m starts at the lowest float; per tile, m_t = max(m, its scores); where m - m_t < -8
+// the tile rescales (f = expf(m - m_t), l = fma(f, l, l_t), acc *= f before its P.V, m = m_t), else it keeps m
+// and l = l_t + l; l_t is the tile's own 16-lane sum, reduced. One tile is the one-pass softmax above.
+// Split-KV: where the engine split a row's keys across threads, each part runs its own online softmax over its
+// keys, and the parts merge in key order: the larger max M keeps its (L, O); the other's scale by f = expf(smaller
+// - larger), fused (L = fma(l, f, L), O = fma(o, f, O)); M = max. The output is O / L as above.
+//
 // The amx variant runs the engine's own instruction, TDPBF16PS, on the same 32-element chunks in the
 // same order (scores: head dims 0-31, 32-63, ...; P.V: keys 0-31, 32-63, ...): how that instruction
 // sums a chunk is the hardware's, and only the hardware reproduces it bit for bit. It needs AMX (the
@@ -210,6 +218,8 @@ struct Problem {
   int exp_kind, reduce_kind, store_kind;
   bool amx, flush, p_bf16, fma;
   int64_t threads;
+  const int32_t* kv_tiles;  // [B, T, kv_splits, 4]: each row's split-KV parts (first key, end key, tile origin, keys per
+  int64_t kv_splits;        // tile; keys 0: one tile; end <= first: no part), or null: one part of one tile
 };
 
 // The keys query t of (b, h) sees: first..last, less what the mask blocks inside (mrow).
@@ -240,11 +250,33 @@ inline void store_row(const Problem& P, uint16_t* orow, const float* acc, float 
   }
 }
 
-// One query row at a time: the reference, and the path of every variant but hardware AMX.
+// The KV tile that holds key j of a row whose tiles start at `origin` and hold `tile` keys each (tile 0: one tile).
+inline int64_t tile_end(int64_t j, int64_t origin, int64_t tile, int64_t last) {
+  if (tile <= 0) return last;
+  const int64_t rel = j - origin;
+  const int64_t index = rel >= 0 ? rel / tile : -((-rel + tile - 1) / tile);
+  return std::min<int64_t>(last, origin + (index + 1) * tile - 1);
+}
+
+// The engine's split-KV parts of query t of batch b: kv_splits entries of (first key, end key, tile origin, keys per
+// tile), in key order (an entry with end <= first: none); without kv_tiles, one part of one tile.
+struct KvSplit {
+  int64_t start, end, origin, tile;
+};
+
+inline KvSplit row_split(const Problem& P, int64_t b, int64_t t, int64_t i) {
+  if (P.kv_tiles == nullptr) return KvSplit{0, std::numeric_limits<int64_t>::max(), 0, 0};
+  const int32_t* e = P.kv_tiles + ((b * P.T + t) * P.kv_splits + i) * 4;
+  return KvSplit{e[0], e[1], e[2], e[3]};
+}
+
+// One query row at a time: the reference, and the path of every variant but hardware AMX (and of hardware AMX
+// where a row spans two KV tiles). The row's keys go through the softmax one KV tile at a time, as the engine's
+// online softmax takes them (module comment, "KV tiles").
 void attention_rowwise(const Problem& P, bool hardware_amx) {
   const int64_t D = P.D, S = P.S;
   parallel_ranges(P.B * P.H, P.threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(S), e(S), p(S), qs(D), acc(D);
+    std::vector<float> s(S), e(S), p(S), qs(D), acc(D), total(D);
     std::vector<uint16_t> pchunk(32), bvnni(32 * 16);
     alignas(64) float cbuf[16];
     if (hardware_amx) amx_configure();
@@ -261,7 +293,6 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
           continue;
         }
         for (int64_t d = 0; d < D; ++d) qs[d] = P.amx ? bf16_value(qrow[d]) : bf16_value(qrow[d]) * P.scale;
-        float m = -std::numeric_limits<float>::infinity();
         if (hardware_amx) {  // scores: for each 16 keys, the head dims in chunks of 32, in order
           for (int64_t j0 = first - first % 16; j0 <= last; j0 += 16) {
             for (int n = 0; n < 16; ++n) cbuf[n] = 0.0f;
@@ -278,9 +309,7 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             }
             for (int n = 0; n < 16; ++n) {
               const int64_t j = j0 + n;
-              if (!allowed(j)) continue;
-              s[j] = cbuf[n] * P.scale;
-              m = std::fmax(m, s[j]);
+              if (allowed(j)) s[j] = cbuf[n] * P.scale;
             }
           }
         }
@@ -298,61 +327,137 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             }
           }
           s[j] = P.amx ? a * P.scale : a;
-          m = std::fmax(m, s[j]);
         }
-        float lane[16] = {0};
-        for (int64_t j = first; j <= last; ++j) {
-          if (!allowed(j)) {
-            e[j] = 0.0f;
-            p[j] = 0.0f;
+        // The online softmax over the row's KV tiles, per split-KV part, the parts merged in key order. m starts at
+        // the lowest float (the engine's seed), so the first tile always takes its own max and l its own sum; a later
+        // tile whose max passes m by more than 8 rescales (l = f l + l_tile fused, acc *= f before its P.V, f = expf(m -
+        // m_tile)), else it keeps m (e up to e^8) and adds its sum. One tile of one part is the one-pass softmax.
+        float merged_m = 0.0f, l = 0.0f;
+        bool merged_any = false;
+        for (int64_t d = 0; d < D; ++d) total[d] = 0.0f;
+        for (int64_t part = 0; part < (P.kv_tiles != nullptr ? P.kv_splits : 1); ++part) {
+          const KvSplit split = row_split(P, b, t, part);
+          const int64_t part_first = std::max<int64_t>(first, split.start);
+          const int64_t part_last = std::min<int64_t>(last, split.end - 1);
+          if (split.end <= split.start || part_last < part_first) continue;
+          for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
+          float m = std::numeric_limits<float>::lowest(), part_l = 0.0f;
+          bool first_tile = true, any_key = false;
+          for (int64_t lo = part_first; lo <= part_last;) {
+            const int64_t hi = tile_end(lo, split.origin, split.tile, part_last);
+            float tile_max = m;
+            bool any = false;
+            for (int64_t j = lo; j <= hi; ++j) {
+              if (!allowed(j)) continue;
+              tile_max = std::fmax(tile_max, s[j]);
+              any = true;
+            }
+            if (!any) {  // no key of this row in the tile: the engine's step there leaves m, l and acc as they are
+              lo = hi + 1;
+              continue;
+            }
+            any_key = true;
+            const float shift = m - tile_max;
+            const bool rescale = shift < -8.0f;
+            const float mu = rescale ? tile_max : m;
+            float lane[16] = {0};
+            for (int64_t j = lo; j <= hi; ++j) {
+              if (!allowed(j)) {
+                e[j] = 0.0f;
+                p[j] = 0.0f;
+                continue;
+              }
+              e[j] = engine_exp(s[j] - mu, P.exp_kind);
+              lane[j % 16] += e[j];
+              p[j] = P.p_bf16 ? bf16_value(bf16_rne(e[j])) : e[j];
+            }
+            const float tile_sum = reduce_lanes(lane, P.reduce_kind);
+            if (rescale) {
+              const float f = std::exp(shift);
+              part_l = std::fmaf(f, part_l, tile_sum);
+              if (!first_tile)
+                for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * f;
+              m = tile_max;
+            } else {
+              part_l = tile_sum + part_l;
+            }
+            if (hardware_amx) {  // P.V: for each 16 dims, the tile's keys in chunks of 32 from a multiple of 32, in order
+              const int64_t start = lo - lo % 32;
+              for (int64_t d0 = 0; d0 < D; d0 += 16) {
+                for (int n = 0; n < 16; ++n) cbuf[n] = acc[d0 + n];
+                for (int64_t j0 = start; j0 <= hi; j0 += 32) {
+                  for (int i = 0; i < 32; ++i) {
+                    const int64_t j = j0 + i;
+                    pchunk[i] = j >= lo && j <= hi && allowed(j) ? bf16_rne(e[j]) : 0;
+                  }
+                  for (int r = 0; r < 16; ++r)
+                    for (int n = 0; n < 16; ++n)
+                      for (int w = 0; w < 2; ++w) {
+                        const int64_t j = j0 + 2 * r + w;
+                        const bool in = j >= lo && j <= hi && allowed(j);
+                        bvnni[(r * 16 + n) * 2 + w] = in ? P.v[((b * S + j) * P.KVH + g) * D + d0 + n] : 0;
+                      }
+                  amx_chunk(pchunk.data(), bvnni.data(), cbuf);
+                }
+                for (int n = 0; n < 16; ++n) acc[d0 + n] = cbuf[n];
+              }
+            }
+            for (int64_t j = lo; j <= hi && !hardware_amx; ++j) {
+              if (!allowed(j)) continue;
+              const uint16_t* vrow = P.v + ((b * S + j) * P.KVH + g) * D;
+              const float pj = P.flush ? ftz(p[j]) : p[j];
+              for (int64_t d = 0; d < D; ++d) {
+                float vv = bf16_value(vrow[d]);
+                if (P.amx) {
+                  float prod = P.flush ? ftz(pj * ftz(vv)) : pj * vv;
+                  acc[d] = P.flush ? ftz(acc[d] + prod) : acc[d] + prod;
+                } else {
+                  acc[d] = P.fma ? std::fmaf(pj, vv, acc[d]) : acc[d] + pj * vv;
+                }
+              }
+            }
+            first_tile = false;
+            lo = hi + 1;
+          }
+          if (!any_key) continue;
+          if (!merged_any) {  // the first part: the running (M, L, O)
+            merged_m = m;
+            l = part_l;
+            for (int64_t d = 0; d < D; ++d) total[d] = acc[d];
+            merged_any = true;
             continue;
           }
-          e[j] = engine_exp(s[j] - m, P.exp_kind);
-          lane[j % 16] += e[j];
-          p[j] = P.p_bf16 ? bf16_value(bf16_rne(e[j])) : e[j];
-        }
-        const float l = reduce_lanes(lane, P.reduce_kind);
-        for (int64_t d = 0; d < D; ++d) acc[d] = 0.0f;
-        if (hardware_amx) {  // P.V: for each 16 dims, the keys in chunks of 32 from a multiple of 32, in order
-          const int64_t start = first - first % 32;
-          for (int64_t d0 = 0; d0 < D; d0 += 16) {
-            for (int n = 0; n < 16; ++n) cbuf[n] = 0.0f;
-            for (int64_t j0 = start; j0 <= last; j0 += 32) {
-              for (int i = 0; i < 32; ++i) {
-                const int64_t j = j0 + i;
-                pchunk[i] = allowed(j) ? bf16_rne(e[j]) : 0;
-              }
-              for (int r = 0; r < 16; ++r)
-                for (int n = 0; n < 16; ++n)
-                  for (int w = 0; w < 2; ++w) {
-                    const int64_t j = j0 + 2 * r + w;
-                    const bool in = allowed(j);
-                    bvnni[(r * 16 + n) * 2 + w] = in ? P.v[((b * S + j) * P.KVH + g) * D + d0 + n] : 0;
-                  }
-              amx_chunk(pchunk.data(), bvnni.data(), cbuf);
-            }
-            for (int n = 0; n < 16; ++n) acc[d0 + n] = cbuf[n];
+          // reduce_splits: the larger max keeps its terms, the other's are scaled by expf(smaller - larger), fused
+          if (merged_m > m) {
+            const float f = std::exp(m - merged_m);
+            l = std::fmaf(part_l, f, l);
+            for (int64_t d = 0; d < D; ++d) total[d] = std::fmaf(acc[d], f, total[d]);
+          } else {
+            const float f = std::exp(merged_m - m);
+            l = std::fmaf(l, f, part_l);
+            for (int64_t d = 0; d < D; ++d) total[d] = std::fmaf(total[d], f, acc[d]);
           }
+          merged_m = std::fmax(merged_m, m);
         }
-        for (int64_t j = first; j <= last && !hardware_amx; ++j) {
-          if (!allowed(j)) continue;
-          const uint16_t* vrow = P.v + ((b * S + j) * P.KVH + g) * D;
-          const float pj = P.flush ? ftz(p[j]) : p[j];
-          for (int64_t d = 0; d < D; ++d) {
-            float vv = bf16_value(vrow[d]);
-            if (P.amx) {
-              float prod = P.flush ? ftz(pj * ftz(vv)) : pj * vv;
-              acc[d] = P.flush ? ftz(acc[d] + prod) : acc[d] + prod;
-            } else {
-              acc[d] = P.fma ? std::fmaf(pj, vv, acc[d]) : acc[d] + pj * vv;
-            }
-          }
-        }
-        store_row(P, orow, acc.data(), l);
+        store_row(P, orow, total.data(), l);
       }
     }
     if (hardware_amx) amx_release();
   });
+}
+
+// Whether some row of the problem sees keys in two KV tiles or split-KV parts (the tiled AMX path computes one tile).
+bool any_row_spans_tiles(const Problem& P) {
+  if (P.kv_tiles == nullptr) return false;
+  for (int64_t b = 0; b < P.B; ++b)
+    for (int64_t h = 0; h < P.H; h += (P.mask_heads == 1 ? P.H : 1))
+      for (int64_t t = 0; t < P.T; ++t) {
+        const RowRange r = row_range(P, b, h, t);
+        if (r.empty()) continue;
+        const KvSplit split = row_split(P, b, t, 0);
+        if (split.start > r.first || split.end <= r.last || tile_end(r.first, split.origin, split.tile, r.last) < r.last) return true;
+      }
+  return false;
 }
 
 // The engine's AVX-512 exp polynomial on 16 lanes: fast_exp512, op for op.
@@ -1035,15 +1140,16 @@ struct FxpAttentionVariant {
 
 void fxp_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const int64_t* key_lens, const uint8_t* mask,
                    int64_t B, int64_t T, int64_t H, int64_t D, int64_t S, int64_t KVH, int64_t mask_heads, double scale, int causal,
-                   int64_t window, int64_t q_offset, const FxpAttentionVariant* variant, int rowwise, int64_t threads) {
+                   int64_t window, int64_t q_offset, const FxpAttentionVariant* variant, int rowwise, int64_t threads,
+                   const int32_t* kv_tiles, int64_t kv_splits) {
   const FxpAttentionVariant& a = *variant;
   Problem P{q, k, v, out, key_lens, reinterpret_cast<const bool*>(mask),
             B, T, H, D, S, KVH, H / KVH, mask != nullptr ? mask_heads : 1,
             static_cast<float>(scale), causal != 0, window, q_offset,
             a.exp, a.lane_sum, a.store,
-            a.scores == QK_AMX, a.scores == QK_AMX && a.flush != 0, a.p_bf16 != 0, a.fma != 0, threads};
+            a.scores == QK_AMX, a.scores == QK_AMX && a.flush != 0, a.p_bf16 != 0, a.fma != 0, threads, kv_tiles, kv_splits};
   const bool hardware_amx = P.amx && D % 32 == 0;
-  if (hardware_amx && !rowwise) {
+  if (hardware_amx && !rowwise && !any_row_spans_tiles(P)) {
     attention_amx_tiled(P);
   } else {
     attention_rowwise(P, hardware_amx);

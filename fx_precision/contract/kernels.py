@@ -135,7 +135,7 @@ class EngineKernels:
     def __init__(self, library: Path) -> None:
         lib = ctypes.CDLL(str(library))
         lib.fxp_attention.argtypes = [_P] * 6 + [_I64] * 7 + [ctypes.c_double, _INT, _I64, _I64, ctypes.POINTER(AttentionVariantStruct),
-                                                                 _INT, _I64]  # fmt: skip
+                                                                 _INT, _I64, _P, _I64]  # fmt: skip
         lib.fxp_attention.restype = None
         lib.fxp_linear.argtypes = [_P, _P, _P, _P, _I64, _I64, _I64, ctypes.POINTER(LinearOrderStruct), _I64, _INT]
         lib.fxp_linear.restype = None
@@ -185,9 +185,12 @@ class EngineKernels:
         variant: AttentionVariantStruct,
         *,
         rowwise: bool = False,
+        kv_tiles: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """q [B, T, H, D], k / v [B, S, KVH, D] bf16 on the CPU; key_lens [B]; mask [B, 1|H, T, S] bool or
-        None; variant: ``attention_variant(...)``. rowwise: one query row at a time (the tiled path's reference)."""
+        None; variant: ``attention_variant(...)``. rowwise: one query row at a time (the tiled path's reference).
+        kv_tiles [B, T, N, 4] int32: each row's keys as the engine took them, in N split-KV parts (first key, end key,
+        first tile's first key, keys per tile; 0 keys: one tile; end <= first: no part), or None: one tile per row."""
         tensors = {"q": q, "k": k, "v": v}
         for name, t in tensors.items():
             if t.dtype != torch.bfloat16 or t.dim() != 4 or t.device.type != "cpu":
@@ -212,12 +215,19 @@ class EngineKernels:
                 raise PrecisionError(
                     f"engine attention: the mask must be [B, 1 or H, T, S] = [{B}, 1|{H}, {T}, {S}], got {tuple(mask.shape)}"
                 )
+        if kv_tiles is not None:
+            if kv_tiles.dim() != 4 or tuple(kv_tiles.shape[:2]) != (B, T) or kv_tiles.shape[2] < 1 or kv_tiles.shape[3] != 4:
+                raise PrecisionError(f"engine attention: kv_tiles must be [B, T, N, 4] = [{B}, {T}, N, 4], got {tuple(kv_tiles.shape)}")
+            kv_tiles = kv_tiles.to(device="cpu", dtype=torch.int32).contiguous()
+            if bool((kv_tiles[..., 3] < 0).any()) or bool((kv_tiles[..., 3] % 32 != 0).any()):
+                raise PrecisionError("engine attention: kv_tiles' keys per tile must be 0 (one tile) or a positive multiple of 32")
         q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
         out = torch.empty_like(q)
         self.lib.fxp_attention(
             q.data_ptr(), k.data_ptr(), v.data_ptr(), out.data_ptr(), lens.data_ptr(), mask.data_ptr() if mask is not None else None,
             B, T, H, D, S, KVH, heads, float(scale), int(causal), int(window), int(q_offset), ctypes.byref(variant), int(rowwise),
-            torch.get_num_threads(),
+            torch.get_num_threads(), kv_tiles.data_ptr() if kv_tiles is not None else None,
+            int(kv_tiles.shape[2]) if kv_tiles is not None else 0,
         )  # fmt: skip
         return out
 

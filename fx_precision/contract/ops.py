@@ -1,8 +1,11 @@
 """The ops an engine contract puts into a training graph: opaque to Inductor, differentiable, meta-aware.
 
-    fxp_engine::attention(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store)
+    fxp_engine::attention(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store,
+                          kv_tiles=None)
         forward   engine_kernels.cpp (kernels.py: built at first use): the engine kernel's arithmetic in its order;
-                  with AMX, 16 query rows per tile (bitwise the one-row reference, which tests hold)
+                  with AMX, 16 query rows per tile (bitwise the one-row reference, which tests hold); each row's
+                  keys in the engine's KV tiles (attention_tiles.py): kv_tiles, else the forward's plan (read
+                  from engine_rows, like linear's rows), else one tile
         backward  plain fp32 attention math (softmax recomputed), gradients in the inputs' dtype
     fxp_engine::rotary(x, cos, sin, rounding) -> out
         forward   x1*c - x2*s | x2*c + x1*s in fp32 from bf16 operands, one store (the engine's rounding)
@@ -81,9 +84,12 @@ def engine_attention(
     p_bf16: bool,
     fma: bool,
     store: str,
+    kv_tiles: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """q [B, T, H, D], k / v [B, S, KVH, D] (bf16), key_lens [B], mask [B, 1|H, T, S] or None: attention as the engine
-    computes it, in the arithmetic the named arguments select (``AttentionArithmetic.op_args``)."""
+    computes it, in the arithmetic the named arguments select (``AttentionArithmetic.op_args``), each row's keys in
+    the KV tiles and split-KV parts the engine took them in: ``kv_tiles`` [B, T, N, 4] (``kernels.attention``), else
+    the forward's (``engine_rows``), else one tile per row."""
     out_dtype = q.dtype
     q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
     variant = attention_variant(scores, exp, lane_sum, p_bf16, fma, store)
@@ -93,8 +99,22 @@ def engine_attention(
     if allowed is not None:
         allowed = allowed.expand(q.shape[0], allowed.shape[1], q.shape[1], k.shape[1])
         allowed, causal = _mask_as_range(allowed, key_lens, causal, window, q_offset)
-    out = engine_kernels().attention(q16, k16, v16, key_lens, allowed, scale, causal, window, q_offset, variant)
+    tiles = kv_tiles if kv_tiles is not None else _forward_kv_tiles(q, q_offset)
+    out = engine_kernels().attention(q16, k16, v16, key_lens, allowed, scale, causal, window, q_offset, variant, kv_tiles=tiles)
     return out.to(out_dtype)
+
+
+def _forward_kv_tiles(q: torch.Tensor, q_offset: int) -> torch.Tensor | None:
+    """The KV tiles of the forward ``engine_rows`` opened, [B, T, N, 4], where its plan has them (None: one tile per row)."""
+    rows = active_rows()
+    if rows is None or rows.kv_tiles is None:
+        return None
+    if q_offset != 0 or tuple(rows.kv_tiles.shape[:2]) != tuple(q.shape[:2]):  # [B, T, N, 4]
+        raise PrecisionError(
+            f"fxp_engine.attention: the forward's KV tiles are planned for {tuple(rows.kv_tiles.shape[:2])} rows from position 0, the "
+            f"attention holds {tuple(q.shape[:2])} from {q_offset}: set engine_rows for the batch this forward runs"
+        )
+    return rows.kv_tiles
 
 
 def _mask_as_range(
@@ -129,7 +149,7 @@ def _require_amx() -> None:
 
 
 @engine_attention.register_fake
-def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store):
+def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store, kv_tiles=None):
     return q.new_empty(q.shape)
 
 
@@ -176,7 +196,7 @@ def _attention_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     fold = heads // kv_heads  # GQA: each key/value head collects its query heads' gradients
     grad_k = grad_k.reshape(*grad_k.shape[:2], kv_heads, fold, -1).sum(3)
     grad_v = grad_v.reshape(*grad_v.shape[:2], kv_heads, fold, -1).sum(3)
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 12)
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 13)
 
 
 engine_attention.register_autograd(_attention_backward, setup_context=_attention_setup)

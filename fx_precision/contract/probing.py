@@ -33,6 +33,7 @@ from typing import Any
 import torch
 
 from fx_precision.contract import AttentionArithmetic, RotaryOp
+from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.batch_rows import steps_of
 from fx_precision.contract.evidence import (
     AttentionEvidence,
@@ -150,11 +151,25 @@ def attention_candidates() -> list[AttentionArithmetic]:
     return out
 
 
-def _contract_attention(arith: AttentionArithmetic, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
-    """The contract's kernel on one request: q [T, H, D] the last T positions of k / v [S, KVH, D]."""
-    return engine_attention(
-        q[None], k[None], v[None], torch.tensor([k.shape[0]]), None, scale, True, -1, k.shape[0] - q.shape[0], **arith.op_args()
-    )[0]
+def _contract_attention(arith: AttentionArithmetic, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                        tiles: torch.Tensor | None = None) -> torch.Tensor:  # fmt: skip
+    """The contract's kernel on one request: q [T, H, D] the last T positions of k / v [S, KVH, D], its rows' KV tiles
+    ``tiles`` [1, T, N, 4] (None: one tile per row)."""
+    offset = k.shape[0] - q.shape[0]
+    return engine_attention(q[None], k[None], v[None], torch.tensor([k.shape[0]]), None, scale, True, -1, offset, **arith.op_args(),
+                            kv_tiles=tiles)[0]  # fmt: skip
+
+
+def call_tiles(tiling: KvTiling | None, shape: Sequence[tuple[int, int]]) -> list[torch.Tensor | None]:
+    """Each request's keys as one engine call of these (query rows, keys) took them (split-KV parts, KV tiles):
+    [1, T, N, 4] each (None: no tiling recorded, one tile per row)."""
+    if tiling is None:
+        return [None] * len(shape)
+    out: list[torch.Tensor | None] = []
+    for rows in tiling.query_row_tiles(shape):
+        parts = max(len(r) for r in rows)
+        out.append(torch.tensor([[list(r) + [(0, 0, 0, 0)] * (parts - len(r)) for r in rows]], dtype=torch.int32))
+    return out
 
 
 def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: int, gen: torch.Generator,
@@ -174,8 +189,8 @@ def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: 
     return made
 
 
-def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator) -> tuple[AttentionArithmetic | None,
-                                                                                                            AttentionEvidence]:  # fmt: skip
+def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator,
+                    tiling: KvTiling | None = None) -> tuple[AttentionArithmetic | None, AttentionEvidence]:  # fmt: skip
     """The attention arithmetic: the candidates that give every prefill probe's bits (each length alone), narrowed by
     decode rows (one query at the last position) where some candidates give theirs too. Where no candidate gives a
     decode row's bits (split-KV: keys split across threads, merged), the prefill's arithmetic is kept and ``decode``
@@ -187,7 +202,8 @@ def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen:
     got_decode = [run([r])[0] for r in decode]
 
     def wrong(arith: AttentionArithmetic, cases: list[Any], got: list[torch.Tensor]) -> int:
-        return sum(mismatches(_contract_attention(arith, q, k, v, scale), want) for (q, k, v), want in zip(cases, got, strict=True))
+        return sum(mismatches(_contract_attention(arith, q, k, v, scale, call_tiles(tiling, [(q.shape[0], k.shape[0])])[0]), want)
+                   for (q, k, v), want in zip(cases, got, strict=True))  # fmt: skip
 
     counts: dict[str, int] = {}
     kept = []
@@ -229,7 +245,8 @@ MAX_RUN_CALLS = 512  # distinct attention calls of the run checked whole (decode
 
 def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes: Sequence[Sequence[tuple[int, int]]], heads: int,
                           kv_heads: int, dim: int, gen: torch.Generator,
-                          seen: dict[tuple[tuple[int, int], ...], str | None] | None = None) -> RunCallsChecked:  # fmt: skip
+                          seen: dict[tuple[tuple[int, int], ...], str | None] | None = None,
+                          tiling: KvTiling | None = None) -> RunCallsChecked:  # fmt: skip
     """The kept arithmetic against the engine's attention at the calls the run made (``shapes``: each call's requests
     as (query rows, keys), all in one call, with the engine's threads, split-KV setting and scheduler): where the
     engine's order depends on the batch, the lengths or its threads (KV tiles and their rescaling, split-KV), this is
@@ -241,8 +258,8 @@ def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes:
     for shape in [c for c in calls if c not in seen][:MAX_RUN_CALLS]:
         requests = _requests(shape, heads, kv_heads, dim, gen)
         got = run(requests)
-        wrong = sum(int((_contract_attention(arith, q, k, v, scale) != want).any(-1).any(-1).sum())
-                    for (q, k, v), want in zip(requests, got, strict=True))  # fmt: skip
+        wrong = sum(int((_contract_attention(arith, q, k, v, scale, tiles) != want).any(-1).any(-1).sum())
+                    for (q, k, v), want, tiles in zip(requests, got, call_tiles(tiling, shape), strict=True))  # fmt: skip
         more = "..." if len(shape) > 3 else ""
         seen[shape] = f"{len(shape)} request(s) {list(shape)[:3]}{more}: {wrong} row(s) differ" if wrong else None
     return RunCallsChecked(len(calls), sum(1 for c in calls if c in seen), tuple(str(seen[c]) for c in calls if seen.get(c)))

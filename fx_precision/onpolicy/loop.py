@@ -248,7 +248,8 @@ def recompute(r: Rank, s: StepState) -> None:
     from fx_precision.training_side import compile_limits
 
     data = s.data
-    plans = row_plans(data.sequences, {"steps": data.steps, "logits_calls": data.logits_calls}) if data.contract else None
+    engine = {"steps": data.steps, "logits_calls": data.logits_calls}
+    plans = row_plans(data.sequences, engine, tiling=data.contract.kv_tiling) if data.contract else None
     orders = data.contract.linears if data.contract is not None else None
     s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.micro_batch, r.cfg.longest())
     with compile_limits(8), torch.no_grad():

@@ -51,11 +51,11 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
 
     engine = dump.engine or {}
     if steps == "steps":
-        plans = row_plans(dump.sequences, engine)
+        plans = row_plans(dump.sequences, engine, tiling=contract.kv_tiling)
     else:
         module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls")}
-        alone = row_plans(dump.sequences, module_pass, with_logits=False)
-        plans = [RowPlan(p.body, (0,) * len(p.logits)) for p in alone]
+        alone = row_plans(dump.sequences, module_pass, with_logits=False, tiling=contract.kv_tiling)
+        plans = [RowPlan(p.body, (0,) * len(p.logits), p.kv_tiles) for p in alone]
     return [EngineRows.of([plan], contract.linears) for plan in plans]
 
 

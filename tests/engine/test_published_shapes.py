@@ -2,9 +2,11 @@
 
 Qwen3-0.6B's every dimension (hidden 1024, 16 / 8 heads of 128, intermediate 3072, vocabulary 151936, tied
 embeddings; tests/configs/qwen3-0.6b) with 2 decoder layers and random weights, one rollout of three prompts
-(11, 97 and 300 tokens: one step prefills them all, 408 rows, then decode steps of 3 rows) with 8 sampled
+(11, 97 and 1100 tokens: one step prefills them all, 1208 rows, then decode steps of 3 rows) with 8 sampled
 tokens each, module records on; the engine on 1 thread. At these widths the engine's GEMM sums rows of a
-400-row call in other K blocks than rows of a 3-row one, so every linear must follow the call it came from:
+1208-row call in other K blocks than rows of a 3-row one, so every linear must follow the call it came from, and
+the long prompt's rows see their keys in several of the engine's KV tiles (320 keys each on a 1 MiB L2, 736 on
+Sapphire Rapids), which the attention must follow too:
 
     bitwise, eager and compiled, on the machine's threads and on 1    (the trainer's threads never matter)
     a planted mismatch (the norm rewrite off) is named                (first origin: the norm; its first op)
@@ -41,7 +43,7 @@ def run(*args: str, threads: int | None = None) -> subprocess.CompletedProcess[s
 def shaped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("published")
     checkpoint = write_shaped_checkpoint(CONFIG, root / "qwen3-0.6b", layers=2, seed=5)
-    run("rollout", "--model", str(checkpoint), "--prompt-lens", "11,97,300", "--max-tokens", "8", "--modules", "--threads", "1",
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "11,97,1100", "--max-tokens", "8", "--modules", "--threads", "1",
         "--split-kv", "off", "--out", str(root / "dump"))  # fmt: skip
     return {"checkpoint": checkpoint, "dump": root / "dump"}
 
@@ -55,7 +57,9 @@ def test_the_rollout_read_every_linear_call_it_made(shaped: dict[str, Path]) -> 
     contract = load_dump(str(shaped["dump"])).contract
     assert contract["evidence"]["matched"] == {"rotary": True, "norm": True, "attention": True, "linears": True}
     rows = {call["rows"] for call in contract["linears"]["calls"]}
-    assert {408, 3} <= rows, rows  # the prefill step of every prompt, the decode steps
+    assert {1208, 3} <= rows, rows  # the prefill step of every prompt, the decode steps
+    tiling = contract["kv_tiling"]  # where the engine's attention placed its KV tiles: what the training side follows
+    assert tiling["head_dim"] == 128 and tiling["threads"] == 1 and tiling["l2_cache_bytes"] > 0, tiling
     orders = {json.dumps(call["order"]) for call in contract["linears"]["calls"]}
     assert len(orders) > 1, orders  # at these widths the engine's GEMM sums calls of other sizes in other orders
 

@@ -26,6 +26,7 @@ import torch
 
 from fx_precision.checkpoints import read_checkpoint_config, tensors_digest, weights_digest
 from fx_precision.contract import EngineContract, RotaryOp
+from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.batch_rows import attention_calls
 from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence
 from fx_precision.contract.linear_order import LinearOrders
@@ -251,6 +252,7 @@ class VllmSession:
             "block_size": int(self.llm.llm_engine.vllm_config.cache_config.block_size),
             "l2_cache_bytes": int(torch.cpu.get_capabilities().get("l2_cache_size") or 0) or None,  # the attention tiles from it
             "head_dim": _head_dim(self.config),
+            "attention_window": int(getattr(attn.impl, "sliding_window", -1) or -1) if attn is not None else -1,  # -1: none
             "max_model_len": self.max_len,
             "checkpoint": str(cc.file.parent.resolve()),
             "weights": weights_digest(cc.file.parent),
@@ -369,7 +371,7 @@ class VllmSession:
                           if value is None or value is False)  # fmt: skip
         linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
-                              self.info["aten_capability"], unmatched, evidence)  # fmt: skip
+                              self.info["aten_capability"], unmatched, evidence, self.kv_tiling())  # fmt: skip
 
     def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, CandidateEvidence]:
         rope = first_module(self.model, "RotaryEmbedding")
@@ -407,16 +409,24 @@ class VllmSession:
 
         return run, heads, kv_heads, dim
 
+    def kv_tiling(self, window: int | None = None) -> KvTiling | None:
+        """Where this engine's attention places its KV tiles (its ISA, L2, threads, split-KV; the model's heads), with
+        the model's sliding window (``window`` None) or another (the probes' calls: -1)."""
+        _, heads, kv_heads, _ = self._attention_run()
+        own = int(self.info.get("attention_window") or -1)
+        return KvTiling.of_engine(self.info, heads, kv_heads, own if window is None else window)
+
     def _attention_arith(self, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         run, heads, kv_heads, dim = self._attention_run()
-        return match_attention(run, heads, kv_heads, dim, gen)
+        return match_attention(run, heads, kv_heads, dim, gen, self.kv_tiling(window=-1))
 
     def _attention_at_run(self, generation: Generation, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         arith, found = self._probed[OpClass.ATTENTION]
         if arith is not None:
             run, heads, kv_heads, dim = self._attention_run()
             shapes = attention_calls(generation.sequences, generation.steps)
-            found = replace(found, at_run=check_attention_calls(run, arith, shapes, heads, kv_heads, dim, gen, self._attention_seen))
+            found = replace(found, at_run=check_attention_calls(run, arith, shapes, heads, kv_heads, dim, gen, self._attention_seen,
+                                                                      self.kv_tiling(window=-1)))  # fmt: skip
         return arith, found
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str:
