@@ -22,7 +22,7 @@ from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, 
 from fx_precision.engines.prompts import check_prompts, read_prompts, synthetic_prompts
 from fx_precision.errors import PrecisionError
 
-MAX_POSITIONS = 4096  # what an engine here is started with at most (its KV cache is sized for it)
+MAX_POSITIONS = 8192  # what an engine here is started with at most (engines.vllm.session.MAX_MODEL_LEN; its KV cache is sized for it)
 
 
 def _architecture(config: object) -> str:

@@ -50,7 +50,7 @@ def write_tiny_checkpoint(
     return _save(model, target)
 
 
-MAX_SHAPED_POSITIONS = 4096  # the engine's KV cache is sized for the positions a config names: a published 128k is cut
+MAX_SHAPED_POSITIONS = 8192  # the engine's KV cache is sized for the positions a config names: a published 128k is cut
 
 
 def write_shaped_checkpoint(config: str | os.PathLike[str], out: str | os.PathLike[str], *, layers: int, seed: int = 0,

@@ -781,14 +781,15 @@ def _rollout_parser(sub: Any) -> None:
         choices=["default", "on", "off"],
         default="default",
         help="vLLM's split-KV CPU attention with --threads > 1 (default: the environment's VLLM_CPU_ATTN_SPLIT_KV, on in vLLM); "
-        "the engine contract follows off",
+        "the engine contract follows either (each row's split-KV parts and KV tiles, as the engine's scheduler placed them)",
     )
     p.add_argument(
         "--launch", choices=["defaults", "eager"], default="eager",
         help="how vLLM is launched: defaults (as users launch it: LLM(model, dtype=bfloat16, seed=S), compile on, prefix "
         "caching, chunked prefill, its cores; the contract refuses it, naming why) or eager (enforce_eager, no prefix "
         "caching, 1 thread: the engine the contract follows). Either way the rollout sets, for its own needs: the engine in "
-        "this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), a KV cache of 1 GiB, no thread binding, at most 4,096 positions, "
+        "this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), a KV cache of two sequences of its positions (at least 1 GiB), "
+        "no thread binding, at most 8,192 positions, "
         "no tokenizer (token-id prompts); all recorded in the dump",
     )  # fmt: skip
     p.add_argument(

@@ -56,11 +56,10 @@ COMPILED_ENGINE = (
 )
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
-    "VLLM_CPU_KVCACHE_SPACE": "1",  # GiB
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "VLLM_LOGGING_STREAM": "ext://sys.stderr",  # stdout carries --json only
 }
-MAX_MODEL_LEN = 4096  # positions the engine is started with at most (its KV cache is sized for them)
+MAX_MODEL_LEN = 8192  # positions the engine is started with at most (RL lengths: a 4,096-token prompt, 1,024 sampled)
 
 
 def import_vllm() -> Any:
@@ -103,6 +102,15 @@ def _dist_name() -> str | None:
         except metadata.PackageNotFoundError:
             continue
     return None
+
+
+def kv_cache_gib(config: Any, positions: int) -> int:
+    """The KV cache the engine is given (VLLM_CPU_KVCACHE_SPACE, GiB): room for one sequence of ``positions`` twice
+    over (bf16 keys and values of every layer), at least 1 GiB."""
+    heads = int(getattr(config, "num_attention_heads", 1) or 1)
+    kv_heads = int(getattr(config, "num_key_value_heads", None) or heads)
+    per_token = int(getattr(config, "num_hidden_layers", 1) or 1) * kv_heads * (_head_dim(config) or 1) * 2 * 2
+    return max(1, -(-2 * per_token * positions // (1 << 30)))
 
 
 def _head_dim(config: Any) -> int | None:
@@ -197,7 +205,9 @@ class VllmSession:
             raise PrecisionError(f"--split-kv {cfg.split_kv!r}: default, on or off")
         if cfg.logprobs not in ("raw", "processed"):
             raise PrecisionError(f"log-probs {cfg.logprobs!r}: raw or processed")
-        for key, value in {**ENGINE_ENV, "OMP_NUM_THREADS": str(cfg.threads)}.items():
+        max_len = cfg.max_model_len or engine_max_len(cc.config)
+        kv_cache = str(kv_cache_gib(cc.config, max_len))
+        for key, value in {**ENGINE_ENV, "VLLM_CPU_KVCACHE_SPACE": kv_cache, "OMP_NUM_THREADS": str(cfg.threads)}.items():
             os.environ[key] = value
         if cfg.split_kv != "default":  # split-KV attention on several threads: the rollout checks whether the run's calls split
             os.environ["VLLM_CPU_ATTN_SPLIT_KV"] = "1" if cfg.split_kv == "on" else "0"
@@ -210,7 +220,7 @@ class VllmSession:
 
         self.cfg = cfg
         self.config = cc.config
-        self.max_len = cfg.max_model_len or engine_max_len(cc.config)
+        self.max_len = max_len
         if cfg.launch not in LAUNCHES:
             raise PrecisionError(f"--launch {cfg.launch!r}: one of {', '.join(LAUNCHES)}")
         kwargs: dict[str, Any] = dict(
@@ -254,6 +264,7 @@ class VllmSession:
             "head_dim": _head_dim(self.config),
             "attention_window": int(getattr(attn.impl, "sliding_window", -1) or -1) if attn is not None else -1,  # -1: none
             "max_model_len": self.max_len,
+            "kv_cache_gib": int(kv_cache),
             "checkpoint": str(cc.file.parent.resolve()),
             "weights": weights_digest(cc.file.parent),
             "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0",
