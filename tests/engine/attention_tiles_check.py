@@ -1,0 +1,43 @@
+"""vLLM's CPU attention op against the contract's kernel on calls that cross KV tiles and split-KV parts, in a fresh
+process at THREADS engine threads (a vLLM engine started in a process fixes torch's thread count there, so the
+test runs this on its own): ``python attention_tiles_check.py THREADS SPLIT_KV`` prints one JSON object, the rows
+that part per request under the contract's tiles, the rows the one-pass kernel parts, and the most parts a row had."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import torch
+
+threads, split_kv = int(sys.argv[1]), sys.argv[2] == "on"
+torch.set_num_threads(threads)  # the scheduler and the executor read this process's OpenMP threads
+
+from fx_precision.contract.attention_tiles import KvTiling  # noqa: E402
+from fx_precision.contract.probing import _contract_attention, _requests, call_tiles, match_attention  # noqa: E402
+from fx_precision.engines.vllm.probes import engine_attention_batch  # noqa: E402
+
+HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-0.6B's attention
+CALLS = [
+    [(1500, 1500)],  # one long prefill: query tiles of the L2's size, each row's keys in several KV tiles
+    [(600, 600), (200, 800)],  # two prefills, the second a chunk after 600 cached keys
+    [(1, 3000), (1, 500)],  # decodes: the long one splits across threads with split-KV on
+    [(300, 300), (1, 1500), (1, 3000)],  # a prefill with decodes: the decode rows change how the prefill is cut
+]
+isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # the engine's own pick at bf16, block size 128
+l2 = int(torch.cpu.get_capabilities().get("l2_cache_size") or 0)
+assert torch.get_num_threads() == threads and l2 > 0, (torch.get_num_threads(), l2)
+arith, found = match_attention(lambda r: engine_attention_batch(isa, 128, r, DIM**-0.5, split_kv), HEADS, KV_HEADS, DIM,
+                               torch.Generator().manual_seed(0))  # fmt: skip
+assert arith is not None, found
+tiling = KvTiling(isa, l2, DIM, HEADS, KV_HEADS, threads, split_kv)
+gen = torch.Generator().manual_seed(1)
+tiled, one_pass, parts = [], 0, 0
+for shape in CALLS:
+    requests = _requests(shape, HEADS, KV_HEADS, DIM, gen)
+    got = engine_attention_batch(isa, 128, requests, DIM**-0.5, split_kv)
+    for (q, k, v), want, tiles in zip(requests, got, call_tiles(tiling, shape), strict=True):
+        parts = max(parts, int(tiles.shape[2]) if tiles is not None else 1)
+        tiled.append(int((_contract_attention(arith, q, k, v, DIM**-0.5, tiles) != want).any(-1).any(-1).sum()))
+        one_pass += int((_contract_attention(arith, q, k, v, DIM**-0.5) != want).any(-1).any(-1).sum())
+print(json.dumps({"tiled": tiled, "one_pass": one_pass, "parts": parts, "arithmetic": arith.describe()}))
