@@ -32,6 +32,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+
 from fx_precision.errors import PrecisionError
 
 _ELEMENT_BYTES = {"vec": (4, 2, 4, 4, 8), "amx": (2, 2, 4, 4, 32)}  # q, kv, logits, out, MaxQ
@@ -63,6 +65,13 @@ def _kv_tile_keys(budget: int, d: int, isa: str, rows: int) -> int:
     else:
         keys = (budget - rows * d * (q + out)) // (logits * max_q + 2 * d * kv)
     return max(_floor(keys, ALIGN), ALIGN)
+
+
+def tiles_tensor(rows: Sequence[RowTiles], parts: int | None = None) -> torch.Tensor:
+    """Rows' tiles as ``fxp_engine.attention`` reads them: [T, parts, 4] int32, each row's parts then empty ones
+    (first key = end key = 0); ``parts``: the most any row has (default) or more."""
+    width = max((len(r) for r in rows), default=1) if parts is None else parts
+    return torch.tensor([[list(p) for p in r] + [[0, 0, 0, 0]] * (width - len(r)) for r in rows], dtype=torch.int32).reshape(-1, width, 4)
 
 
 def smallest_kv_tile(isa: str | None, l2_cache_bytes: int | None, head_dim: int | None) -> int | None:
@@ -131,7 +140,7 @@ class KvTiling:
         """One engine step's requests ((query rows, keys) each, in the step's order): for each request, each query
         row's keys as the engine took them: its split-KV parts in key order (one part where it did not split), each
         (first key, end key, first tile's first key, keys per tile)."""
-        workitems = self._workitems(requests)
+        workitems = self.workitems(requests)
         parts: list[list[list[KvPart]]] = [[[] for _ in range(q)] for q, _ in requests]
         budget = self.l2_cache_bytes >> 1
         max_q = _ELEMENT_BYTES[self.isa][4]
@@ -153,7 +162,7 @@ class KvTiling:
                     parts[w.request][r].append((w.kv_start if w.split else 0, end, _floor(origin, ALIGN), kt))
         return [[tuple(sorted(row)) for row in rows] for rows in parts]
 
-    def _workitems(self, requests: Sequence[tuple[int, int]]) -> list[_Workitem]:
+    def workitems(self, requests: Sequence[tuple[int, int]]) -> list[Workitem]:
         """The engine scheduler's workitems for one step (its ``get_scheduler_metadata``)."""
         _, _, _, _, max_q = _ELEMENT_BYTES[self.isa]
         threads = self.threads
@@ -177,16 +186,16 @@ class KvTiling:
 
         total = sum(right - left for q, keys in requests for _, _, left, right in tiles(q, keys))
         per_thread = _ceil(total // threads, ALIGN)
-        items: list[_Workitem] = []
+        items: list[Workitem] = []
         counts = [0] * threads
         thread, remaining = 0, per_thread
 
-        def emit(item: _Workitem) -> None:
+        def emit(item: Workitem) -> None:
             items.append(item)
             counts[thread] += 1
 
         for index, (q, keys) in enumerate(requests):
-            item = _Workitem(index, 0)
+            item = Workitem(index, 0)
             for token, rows, left, right in tiles(q, keys):
                 kv_len, kv_start = right - left, left
                 while kv_len > 0:
@@ -200,12 +209,12 @@ class KvTiling:
                         if item.kv_start != 0:  # the tail of a split
                             item.split = True
                             emit(item)
-                            item = _Workitem(index, token + step_rows)
+                            item = Workitem(index, token + step_rows)
                         break
                     if remaining < min_split and (item.keys > 0 or counts[thread] > 0):
                         if item.keys > 0:
                             emit(item)
-                            item = _Workitem(index, token)
+                            item = Workitem(index, token)
                         thread += 1
                         remaining = per_thread
                         continue
@@ -213,7 +222,7 @@ class KvTiling:
                         if item.rows % tile_rows == 0 and (item.keys > 0 or counts[thread] > 0):
                             if item.keys > 0:
                                 emit(item)
-                            item = _Workitem(index, token)
+                            item = Workitem(index, token)
                             thread += 1
                             remaining = per_thread
                         item.rows += rows
@@ -224,10 +233,10 @@ class KvTiling:
                     if item.keys > 0:  # split this query tile's keys: this thread takes what it has room for
                         emit(item)
                     size = min(max(remaining, min_split), kv_len)
-                    emit(_Workitem(index, token, rows, size, kv_start, kv_start + size, split=True))
+                    emit(Workitem(index, token, rows, size, kv_start, kv_start + size, split=True))
                     kv_start += size
                     kv_len -= size
-                    item = _Workitem(index, token, kv_start=kv_start)
+                    item = Workitem(index, token, kv_start=kv_start)
                     thread += 1
                     remaining = per_thread
             if item.keys > 0:
@@ -236,7 +245,10 @@ class KvTiling:
 
 
 @dataclass
-class _Workitem:
+class Workitem:
+    """One of the engine scheduler's workitems: a run of one request's query rows (a split part: one row and a
+    range of its keys) that one thread computes."""
+
     request: int
     first: int  # the request's first query row it holds
     rows: int = 0

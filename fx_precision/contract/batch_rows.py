@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from fx_precision.contract.attention_tiles import ONE_TILE, KvTiling, RowTiles
+from fx_precision.contract.attention_tiles import ONE_TILE, KvTiling, RowTiles, tiles_tensor
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.errors import PrecisionError
 
@@ -235,16 +235,13 @@ class EngineRows:
         body = torch.zeros(len(plans), width, dtype=torch.int32)
         logits = torch.zeros(len(plans), width, dtype=torch.int32)
         parts = max((len(row) for p in plans for row in p.kv_tiles or ()), default=0)
-        kv_tiles = torch.tensor(ONE_TILE * parts, dtype=torch.int32).repeat(len(plans), width, 1, 1) if parts else None
+        kv_tiles = tiles_tensor([ONE_TILE], parts).repeat(len(plans), width, 1, 1) if parts else None  # padding: one tile
         for i, p in enumerate(plans):
             b, lg = p.tensors()
             body[i, : b.shape[1]] = b[0]
             logits[i, : lg.shape[1]] = lg[0]
-            if kv_tiles is None:
-                continue
-            for t, row in enumerate(p.kv_tiles or ()):
-                kv_tiles[i, t] = 0  # parts past a row's own: empty
-                kv_tiles[i, t, : len(row)] = torch.tensor(row, dtype=torch.int32)
+            if kv_tiles is not None and p.kv_tiles is not None:
+                kv_tiles[i, : len(p.kv_tiles)] = tiles_tensor(p.kv_tiles, parts)
         return cls(body, logits, orders, dict(fused or {}), kv_tiles)
 
 

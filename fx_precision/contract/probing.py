@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from fx_precision.contract import AttentionArithmetic, RotaryOp
-from fx_precision.contract.attention_tiles import KvTiling
+from fx_precision.contract.attention_tiles import KvTiling, tiles_tensor
 from fx_precision.contract.batch_rows import steps_of
 from fx_precision.contract.evidence import (
     AttentionEvidence,
@@ -165,11 +165,7 @@ def call_tiles(tiling: KvTiling | None, shape: Sequence[tuple[int, int]]) -> lis
     [1, T, N, 4] each (None: no tiling recorded, one tile per row)."""
     if tiling is None:
         return [None] * len(shape)
-    out: list[torch.Tensor | None] = []
-    for rows in tiling.query_row_tiles(shape):
-        parts = max(len(r) for r in rows)
-        out.append(torch.tensor([[list(r) + [(0, 0, 0, 0)] * (parts - len(r)) for r in rows]], dtype=torch.int32))
-    return out
+    return [tiles_tensor(rows)[None] for rows in tiling.query_row_tiles(shape)]
 
 
 def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: int, gen: torch.Generator,
