@@ -128,6 +128,7 @@ class Dump:
     engine: dict[str, Any] | None = None  # how an inference engine ran (its own side of a comparison)
     contract: dict[str, Any] | None = None  # what was detected about the engine's arithmetic
     sequences: list[Sequence] = field(default_factory=list)
+    routes: dict[str, Any] | None = None  # a training side's MoE routes against an engine's (routes.py; not written to disk)
 
     def add_logprobs(self, sequence: Sequence, logprobs: torch.Tensor) -> None:
         """Record the log-probs of ``sequence.tokens[1:]`` (one fp32 value per token)."""

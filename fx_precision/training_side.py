@@ -84,6 +84,7 @@ class RunConfig:
     world_size: int = 0  # 0: in process, gathers emulated at use; N: FSDP2 on N gloo ranks
     mesh: tuple[int, int] | None = None  # HSDP: (replicas, shards); None: a 1-D mesh over every rank
     tokens: TokenSource | None = None  # the token batch a built-in side runs (an engine dump's side runs the dump's)
+    replay_routes: bool = False  # against an MoE engine dump: route each token to the experts the engine routed it to
     record_inputs: bool = True  # record every module call's inputs (the comparator's origins need them); against an
     # engine dump: record module calls at all (False: the log-probs only)
 

@@ -27,6 +27,7 @@ class StepData:
     steps: list[list[tuple[int, int]]] = field(default_factory=list)
     logits_calls: list[tuple[int, int]] = field(default_factory=list)
     contract: Any = None  # EngineContract of this generation (--contract vllm)
+    routes: dict[str, Any] | None = None  # an MoE model's: the engine's routes (engine.moe, engine.routes: routes.py)
     error: str | None = None
 
 

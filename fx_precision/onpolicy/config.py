@@ -38,6 +38,7 @@ class OnPolicyConfig:
     engine_python: str | None = None
     engine_threads: int = 1
     engine_timeout: float = 300.0  # seconds: the base of every engine call's limit (engines/client.EngineTimeouts)
+    replay_routes: bool = False  # an MoE model: the trainer routes every token to the engine's experts (routes.py)
     modules: bool = False  # strict mode: the stopping step's dump records the engine's modules (the first origin)
     overwrite: bool = False
 
@@ -49,6 +50,11 @@ class OnPolicyConfig:
                 raise PrecisionError(f"--{name.replace('_', '-')} {value!r}: an integer of at least {low}")
         if self.contract not in CONTRACTS:
             raise PrecisionError(f"--contract {self.contract!r}: one of {', '.join(CONTRACTS)}")
+        if self.replay_routes and self.contract != "none":
+            raise PrecisionError(
+                "--replay-routes replays the engine's routes on the trainer as users run it; the contract does not follow an MoE "
+                "model's experts yet: pass --contract none"
+            )
         if self.mode not in MODES:
             raise PrecisionError(f"--mode {self.mode!r}: one of {', '.join(MODES)}")
         if not 0.0 <= float(self.temperature) <= 10.0:

@@ -70,7 +70,8 @@ class EngineSide:
         request = SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples, top_k=cfg.top_k, top_p=cfg.top_p)
         self._last = self.process.generate(request)
         g = self._last
-        return StepData(g.sequences, g.logprobs, g.steps, g.logits_calls)
+        routes = {k: g.extra[k] for k in ("moe", "routes", "routes_missing") if k in g.extra} or None
+        return StepData(g.sequences, g.logprobs, g.steps, g.logits_calls, routes=routes)
 
     def contract(self, step: int) -> Any:
         """This generation's contract: every op class matched, and the graph-fixed ones (norm, rotary, attention,

@@ -15,7 +15,8 @@ run_onpolicy(OnPolicyConfig) -> OnPolicyRun                   (the parent: prefl
     broadcast      every      the generation (or rank 0's failure: every rank stops with its one line)
     build          every      step 0: the training side under step 0's contract, compiled once for the run's one shape
     recompute      every      rank r's sequences in padded micro-batches of one shape, each row in the order of the
-                              engine call that computed it (contract.batch_rows row plans); no grad
+                              engine call that computed it (contract.batch_rows row plans); no grad; an MoE model with
+                              --replay-routes: every token on the experts the engine routed it to (routes.py)
     train          every      the same micro-batches with grad: the first training forward's log-probs, the GRPO loss on
                               the toy task's reward, AdamW on the masters
     certify        every      rank 0 gathers every sequence's three log-probs and compares bit patterns
@@ -47,6 +48,7 @@ from fx_precision.errors import PrecisionError
 from fx_precision.onpolicy.batches import MicroBatch, StepData, forward_logprobs, micro_batches
 from fx_precision.onpolicy.config import FIXED_PROMPT_LEN, OnPolicyConfig
 from fx_precision.onpolicy.metrics import Certificate, OnPolicyRun, StepMetrics, certify
+from fx_precision.routes import config_moe, moe_contract_refusal
 
 # ---------------------------------------------------------------------------------------------
 # the parent: preflight, DIR, then the ranks
@@ -82,6 +84,11 @@ def preflight(cfg: OnPolicyConfig) -> tuple[int, Any]:
             f"--model {cfg.checkpoint}: {name} holds {count} NaN or Inf value(s) of {total} ({len(bad)} tensor(s) in all): a policy "
             "with non-finite weights samples garbage and learns nothing; start from a finite checkpoint"
         )
+    moe = config_moe(cc.config)
+    if moe is not None and cfg.contract == "vllm":
+        raise moe_contract_refusal("--contract vllm", moe[0], moe[1])
+    if moe is None and cfg.replay_routes:
+        raise PrecisionError(f"--replay-routes: {cfg.checkpoint} is a dense model (its config names no expert count): drop the flag")
     vocab = int(cc.config.vocab_size)
     positions = min(int(getattr(cc.config, "max_position_embeddings", 2048) or 2048), MAX_POSITIONS)
     min_len = min_prompt_tokens(adapter)
@@ -179,6 +186,7 @@ class StepState:
     rewards: list[float] = field(default_factory=list)
     recompute: dict[int, torch.Tensor] = field(default_factory=dict)
     forward: dict[int, torch.Tensor] = field(default_factory=dict)
+    routes: list[Any] = field(default_factory=list)  # --replay-routes: each micro-batch's RouteTap
     loss: float = 0.0
     metrics: StepMetrics | None = None
     error: str | None = None  # rank 0's failure, sent to every rank at the next broadcast
@@ -252,12 +260,46 @@ def recompute(r: Rank, s: StepState) -> None:
     plans = row_plans(data.sequences, engine, tiling=data.contract.kv_tiling) if data.contract else None
     orders = data.contract.linears if data.contract is not None else None
     s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.micro_batch, r.cfg.longest())
+    if r.cfg.replay_routes:
+        s.routes = step_routes(data, s.batches, r.cfg.longest())
     with compile_limits(8), torch.no_grad():
-        for batch in s.batches:
-            lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
+        for b, batch in enumerate(s.batches):
+            with _routes(s, b):
+                lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
             for row, i in enumerate(batch.index):
                 if i >= 0:
                     s.recompute[i] = lp[row].clone()
+
+
+def step_routes(data: StepData, batches: list[MicroBatch], length: int) -> list[Any]:
+    """--replay-routes: each micro-batch's RouteTap replaying the engine's routes of its rows (routes.py; a padding row or
+    position keeps the model's own)."""
+    from fx_precision.routes import UNROUTED, MoeSpec, RouteTap, routes_of
+
+    engine = {**(data.routes or {}), "steps": data.steps}
+    spec = MoeSpec.of(engine)
+    if spec is None or engine.get("routes") is None:
+        why = (data.routes or {}).get("routes_missing") or "the engine recorded no routes"
+        raise PrecisionError(f"--replay-routes: {why}")
+    per_sequence = routes_of(data.sequences, engine)
+    taps = []
+    for batch in batches:
+        replay = torch.full((len(spec.layers), len(batch.index), length, spec.top_k), UNROUTED, dtype=torch.int64)
+        for row, i in enumerate(batch.index):
+            if i >= 0:
+                replay[:, row, : per_sequence[i].shape[1]] = per_sequence[i]
+        taps.append(RouteTap(spec, replay=replay.reshape(len(spec.layers), -1, spec.top_k)))
+    return taps
+
+
+def _routes(s: StepState, batch: int) -> Any:
+    """The micro-batch's route replay (a fresh tap per forward), or nothing."""
+    import contextlib
+
+    if not s.routes:
+        return contextlib.nullcontext()
+    tap = s.routes[batch]
+    return type(tap)(tap.spec, replay=tap.replay)
 
 
 def train(r: Rank, s: StepState) -> None:
@@ -270,8 +312,9 @@ def train(r: Rank, s: StepState) -> None:
     generated = sum(len(seq.tokens) - seq.prompt_len for seq in data.sequences)
     r.optimizer.zero_grad(set_to_none=True)
     with compile_limits(8):
-        for batch in s.batches:
-            lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
+        for b, batch in enumerate(s.batches):
+            with _routes(s, b):
+                lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
             rollout_lp = torch.zeros_like(lp)
             weight = torch.zeros_like(lp)
             for row, i in enumerate(batch.index):

@@ -471,7 +471,9 @@ def _side_config(args: argparse.Namespace, inputs: bool = True, *, engine_dump: 
     flags = _census_config(args).flags()
     side = RunConfig(args.model, policy=flags, compiled=getattr(args, "compiled", False), inner=getattr(args, "inner", "inductor"),
                      world_size=_world_size(args), mesh=_mesh(args), record_inputs=inputs,
-                     eager_fix=getattr(args, "eager_fix", False))  # fmt: skip
+                     eager_fix=getattr(args, "eager_fix", False), replay_routes=getattr(args, "replay_routes", False))  # fmt: skip
+    if side.replay_routes and not engine_dump:
+        raise PrecisionError("--replay-routes replays an engine's recorded routes: give --rollout an engine dump of an MoE model")
     return side if engine_dump else built_in_side(side, batch=args.batch, seq_len=args.seq_len)
 
 
@@ -509,7 +511,7 @@ def _dump_parser(sub: Any) -> None:
 
 
 BUILT_IN_SIDE_OPTIONS = ("model", "rules", "wrap", "gather", "compute", "master", "cast_forward_inputs", "arch_rules", "batch", "seq_len",
-                         "rollout", "world_size", "mesh", "compiled", "eager_fix", "contract", "inner")  # fmt: skip
+                         "rollout", "world_size", "mesh", "compiled", "eager_fix", "contract", "inner", "replay_routes")  # fmt: skip
 
 
 def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Sequence[str]) -> list[str]:
@@ -519,6 +521,7 @@ def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Seq
 def cmd_compare(args: argparse.Namespace) -> int:
     from fx_precision.compare import compare, gate
     from fx_precision.dump import is_engine_dump
+    from fx_precision.routes import routes_summary
     from fx_precision.tools.compare_sides import describe
 
     if args.dumps and len(args.dumps) != 2:
@@ -553,6 +556,9 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if lp is not None and lp.get("comparable"):
         head += f"\ntoken ids: the same on both sides ({len(lp['sequences'])} sequence(s), checked)"
     data = {"a": describe(a), "b": describe(b), **result.to_dict()}
+    if sides.routes is not None:
+        data["routes"] = sides.routes
+        head += "\n" + routes_summary(sides.routes)
     if args.contract:
         data["contract"] = getattr(b, "contract", None)
         data["contract_notes"] = notes
@@ -595,6 +601,12 @@ def _compare_parser(sub: Any) -> None:
         default=None,
         help="train side follows the engine contract the --rollout dump recorded (gather and compute bf16, the graph rewritten "
         "to the engine's arithmetic; eager means the pass with aot_eager)",
+    )
+    p.add_argument(
+        "--replay-routes",
+        action="store_true",
+        help="against an MoE engine dump: route each token to the experts the engine routed it to (routing replay; the router's "
+        "weights and gradients stay the model's). Without it the routes are tapped and compared per layer",
     )
     p.add_argument("--map", default="", help="FQN renames, side a=side b, globs: 'self_attn=attn; model.layers.*=layers.*'")
     p.set_defaults(defaults={action.dest: action.default for action in p._actions})  # to tell what the user gave
@@ -816,7 +828,7 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
         top_k=args.top_k, top_p=args.top_p,
         world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
         micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
-        engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite,
+        engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite, replay_routes=args.replay_routes,
     )  # fmt: skip
     run = run_onpolicy(cfg)
     if run.stopped is not None and cfg.modules:
@@ -872,6 +884,12 @@ def _onpolicy_parser(sub: Any) -> None:
         choices=["vllm", "none"],
         default="vllm",
         help="follow the engine's contract (vllm) or run as users do today (none: fp32 gather, bf16 autocast)",
+    )
+    p.add_argument(
+        "--replay-routes",
+        action="store_true",
+        help="an MoE model with --contract none: the trainer routes each token to the experts the engine routed it to (routing "
+        "replay, R3); the router's weights and gradients stay the model's",
     )
     p.add_argument(
         "--mode", choices=["strict", "audit"], default="strict", help="strict: stop at the first mismatch; audit: report and go on"

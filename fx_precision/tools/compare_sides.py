@@ -183,6 +183,7 @@ class CompareSides:
     b: Dump | str
     head: str
     notes: list[str] = field(default_factory=list)
+    routes: dict[str, Any] | None = None  # against an MoE engine dump: the training side's routes against the engine's
 
 
 def built_in_sides(cfg: RunConfig, rollout: str) -> CompareSides:

@@ -9,6 +9,8 @@ train_against(engine_dump, RunConfig(checkpoint, policy=PolicyFlags(...), contra
 ├── run each of the dump's sequences alone (batch 1, call i = sequence i), teacher-forced over
 │   prompt + generated tokens: in process (eager, gathers emulated at use), compiled with
 │   precision_backend (Inductor, or aot_eager), or under FSDP2 on N gloo ranks (rank 0 records)
+├── an MoE engine dump: every forward's routes tapped (routes.RouteTap), or replayed (``cfg.replay_routes``: each token
+│   on the engine's experts), and compared per layer with the engine's (``Dump.routes``: EngineRoutes.report)
 └── record: the log-prob of each next token as the engine's sampler returned it (fx_precision/logprobs.py:
     raw, or processed at the dump's temperature), and with --modules on the engine side every module's inputs and outputs, so the
     comparator finds the first module and op where the two part
@@ -16,9 +18,10 @@ train_against(engine_dump, RunConfig(checkpoint, policy=PolicyFlags(...), contra
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 import torch
@@ -29,6 +32,7 @@ from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
 from fx_precision.logprobs import LogprobForm, token_logprobs
 from fx_precision.policy_flags import PolicyFlags
+from fx_precision.routes import MoeSpec, RouteTap, disagreement, refuse_moe_contract, routes_of
 from fx_precision.tools.compare_sides import CompareSides
 from fx_precision.training_side import RunConfig, TrainingSide, build_training_side, compile_limits
 
@@ -60,9 +64,53 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
 
 
 def _forward_all(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
-    """Each sequence alone. Compiled, each length is a graph of its own (static shapes)."""
+    """Each sequence alone. Compiled, each length is a graph of its own (static shapes). Against an MoE engine dump, the
+    routes each forward took are tapped, or replayed (``cfg.replay_routes``), and compared with the engine's (``out.routes``)."""
+    routing = EngineRoutes.of(dump, side.cfg.replay_routes)
     with compile_limits(4 * len(dump.sequences)):
-        _forward_each(side, dump, out, rows)
+        _forward_each(side, dump, out, rows, routing)
+    if routing is not None:
+        out.routes = routing.report()
+
+
+@dataclass
+class EngineRoutes:
+    """An MoE engine dump's routes per sequence (routes.routes_of), whether the training side replays them, and the routes
+    each of its forwards took."""
+
+    spec: MoeSpec
+    engine: list[torch.Tensor] | None  # None: the dump holds none (``why``)
+    replay: bool
+    why: str | None = None
+    used: list[torch.Tensor] = field(default_factory=list)
+
+    @classmethod
+    def of(cls, dump: Dump, replay: bool) -> EngineRoutes | None:
+        engine = dump.engine or {}
+        spec = MoeSpec.of(engine)
+        if spec is None:
+            if replay:
+                raise PrecisionError(f"--replay-routes: the engine dump {dump.source} records no mixture-of-experts routes (a dense model)")
+            return None
+        if engine.get("routes") is None:
+            why = str(engine.get("routes_missing") or "the dump records none (written by an older rollout)")
+            if replay:
+                raise PrecisionError(f"--replay-routes: the engine's routes were not recorded whole ({why}); roll out again")
+            return cls(spec, None, False, why)
+        return cls(spec, routes_of(dump.sequences, engine), replay)
+
+    def tap(self, sequence: int) -> RouteTap:
+        replay = self.engine[sequence] if self.replay and self.engine is not None else None
+        return RouteTap(self.spec, replay=replay)
+
+    def keep(self, tap: RouteTap, length: int) -> None:
+        tap.check_complete()
+        self.used.append(torch.stack([u.reshape(length, self.spec.top_k) for u in tap.used]).cpu())
+
+    def report(self) -> dict[str, Any]:
+        """Per MoE layer, the share of the engine's routed tokens the training side routed to another set of experts."""
+        layers = disagreement(self.spec, self.engine, self.used) if self.engine is not None else None
+        return {"replayed": self.replay, "moe": self.spec.to_dict(), "layers": layers, "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -84,12 +132,15 @@ def engine_logprobs(dump: Dump, policy: Any) -> EngineLogprobs:
     return EngineLogprobs(form, float(engine.get("temperature", 1.0)), int(engine.get("top_k", 0)), float(engine.get("top_p", 1.0)))
 
 
-def _forward_each(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
+def _forward_each(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any], routing: EngineRoutes | None = None) -> None:
     lps = engine_logprobs(dump, side.policy)
-    for sequence, plan in zip(dump.sequences, rows, strict=True):
+    for i, (sequence, plan) in enumerate(zip(dump.sequences, rows, strict=True)):
         tokens = torch.tensor([sequence.tokens])
-        with torch.no_grad():
+        tap = routing.tap(i) if routing is not None else contextlib.nullcontext()
+        with torch.no_grad(), tap:
             logits = side.logits(tokens, plan)
+        if routing is not None:
+            routing.keep(tap, len(sequence.tokens))  # type: ignore[arg-type]
         lp = token_logprobs(logits, tokens, lps.form, lps.temperature, [sequence.prompt_len], lps.top_k, lps.top_p)[0]
         out.add_logprobs(Sequence(sequence.tokens, sequence.prompt_len), lp)
 
@@ -108,7 +159,7 @@ class EngineRun:
         head = f"a: {self.train.source}\nb: {self.engine.source} ({(self.engine.engine or {}).get('kernels', '')})"
         if self.contract is not None:
             head += f"\ncontract: {self.contract.describe()}" + "".join(f"\n{note}" for note in self.notes)
-        return CompareSides(self.train, self.engine, head, self.notes)
+        return CompareSides(self.train, self.engine, head, self.notes, self.train.routes)
 
 
 def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | None = None, follow: bool | None = None) -> EngineRun:
@@ -135,6 +186,7 @@ def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | Non
                 f"--contract {contract_engine}: the dump holds {contract.engine}'s contract; pass --contract {contract.engine}"
             )
         notes = contract_notes(contract, engine.engine or {})
+        refuse_moe_contract(engine.engine or {}, f"--contract {contract.engine}")
     return EngineRun(train_against(engine, replace(cfg, contract=contract)), engine, contract, notes)
 
 

@@ -4,7 +4,8 @@
                                      environment: ENGINE_ENV; --isa loads another kernel build, --split-kv sets
                                      VLLM_CPU_ATTN_SPLIT_KV, --threads its OpenMP threads)
     ├── generate(request)            prompts x samples in one call: sampled tokens, the log-prob of every prompt
-    │                                and sampled token, each forward's rows and each logits call (StepRecorder)
+    │                                and sampled token, each forward's rows and each logits call (StepRecorder),
+    │                                an MoE model's routed experts per row and layer (RouteRecorder)
     ├── record_modules(sequences)    each sequence prefilled alone, every module renamed (modules.py)
     ├── probe(generation, modules)   every op class read off the engine's own ops (probes.py -> contract/probing.py)
     ├── load_weights(named)          the trainer's weights into the live engine, in memory
@@ -178,6 +179,58 @@ class StepRecorder:
             handle.remove()
 
 
+class RouteRecorder:
+    """The experts the engine routed every row of every forward to, per MoE layer (its routers' own capture callback,
+    ``set_capture_fn``: the logical expert ids, read, nothing computed): ``routes[step][layer]`` one list of expert ids
+    per row, and ``spec()`` the layers (in layer order), the expert count and the experts per token. Nothing for a
+    dense model."""
+
+    def __init__(self, model: Any, steps: StepRecorder) -> None:
+        self.steps = steps
+        self.layers = [(name, module.router) for name, module in model.named_modules()
+                       if callable(getattr(getattr(module, "router", None), "set_capture_fn", None))]  # fmt: skip
+        self.routes: list[list[list[list[int]] | None]] = []
+        self.mismatch: str | None = None
+
+    def spec(self) -> dict[str, Any] | None:
+        if not self.layers:
+            return None
+        router = self.layers[0][1]
+        return {"layers": [name for name, _ in self.layers], "experts": int(router.global_num_experts), "top_k": int(router.top_k)}
+
+    def __enter__(self) -> RouteRecorder:
+        def capture(ids: torch.Tensor, slot: int) -> None:
+            step = len(self.steps.steps) - 1
+            while len(self.routes) <= step:
+                self.routes.append([None] * len(self.layers))
+            rows = len(self.steps.steps[step]) if step >= 0 else -1
+            if ids.shape[0] != rows and self.mismatch is None:
+                self.mismatch = f"step {step}: {ids.shape[0]} routed rows for {rows} fed"
+            self.routes[step][slot] = ids.to(torch.int64).tolist()
+
+        for slot, (_name, router) in enumerate(self.layers):
+            router.set_capture_fn(lambda ids, slot=slot: capture(ids, slot))
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for _name, router in self.layers:
+            router.set_capture_fn(None)
+
+    def recorded(self) -> dict[str, Any]:
+        """What the dump keeps (``engine.moe``, ``engine.routes``); a forward whose routing was not captured whole leaves
+        the routes out and says why (``engine.routes_missing``)."""
+        spec = self.spec()
+        if spec is None:
+            return {}
+        uncaptured = (f"step {i}: a layer not captured" for i, step in enumerate(self.routes) if any(r is None for r in step))
+        missing = self.mismatch or next(uncaptured, None)
+        if missing is None and len(self.routes) != len(self.steps.steps):
+            missing = f"{len(self.routes)} routed forwards for {len(self.steps.steps)} steps"
+        if missing is not None:
+            return {"moe": spec, "routes": None, "routes_missing": missing}
+        return {"moe": spec, "routes": self.routes}
+
+
 def _logprob(entry: dict[int, Any] | None, token: int) -> float:
     if entry is None or token not in entry:
         raise PrecisionError(f"vLLM returned no log-prob for token {token}; ask for prompt_logprobs=0 and logprobs=0")
@@ -299,7 +352,7 @@ class VllmSession:
             detokenize=False,  # no per-request seed: the engine's generator, seeded at start
         )  # fmt: skip
         started = time.perf_counter()
-        with StepRecorder(self.model, capture_step=0) as steps:
+        with StepRecorder(self.model, capture_step=0) as steps, RouteRecorder(self.model, steps) as routes:
             try:
                 outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in request.prompts], params, use_tqdm=False)
             except Exception as exc:  # a kernel the engine has no variant for (e.g. CPU attention at head_dim 8): one line
@@ -318,7 +371,7 @@ class VllmSession:
                 gen_lp = [_logprob(entry, t) for entry, t in zip(sample.logprobs, generated, strict=True)]
                 sequences.append(TokenSequence(tuple(prompt) + tuple(generated), len(prompt)))
                 logprobs.append(torch.tensor(prompt_lp + gen_lp, dtype=torch.float32))
-        extra = {"norm_calls": dict(steps.norm_calls), "prompt_logprobs": request.prompt_logprobs}
+        extra = {"norm_calls": dict(steps.norm_calls), "prompt_logprobs": request.prompt_logprobs, **routes.recorded()}
         return Generation(sequences, logprobs, steps.steps, steps.logits, seconds, extra, steps.captured, request.temperature,
                           request.top_k, request.top_p)  # fmt: skip
 

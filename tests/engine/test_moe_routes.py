@@ -1,0 +1,123 @@
+"""Mixture-of-experts against a live vLLM: the engine's routes recorded, the training side's compared, and replay.
+
+Two checkpoints written from configs built here, at sizes no issue names: a Qwen3-MoE (12 experts, 3 per token,
+renormalised) and a Qwen2-MoE (10 experts, 2 per token, not renormalised, a shared expert). One rollout each::
+
+    the dump holds the engine's routes             every forward step, every MoE layer, one route per row fed
+    as-is, the routes are compared per layer       every token the engine computed, counted, a share reported
+    replayed, every route is the engine's          0 tokens routed otherwise, in process and on FSDP2 x 2
+    the contract refuses MoE up front              naming --replay-routes, before any model is built
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fx_precision.dump import load_dump
+
+CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
+COMMON = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+          "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": [], "torch_dtype": "bfloat16"}  # fmt: skip
+CONFIGS = {
+    "qwen3-moe": {**COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 32,
+                  "moe_intermediate_size": 64, "num_experts": 12, "num_experts_per_tok": 3, "norm_topk_prob": True},
+    "qwen2-moe": {**COMMON, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "moe_intermediate_size": 48,
+                  "shared_expert_intermediate_size": 96, "num_experts": 10, "num_experts_per_tok": 2, "norm_topk_prob": False},
+}  # fmt: skip
+PROMPT_LENS, SAMPLES, MAX_TOKENS = "11,70", 2, 5
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env={**os.environ, "PYTHONWARNINGS": "ignore"}, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"fx-precision {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+@pytest.fixture(scope="module")
+def rollouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, Path]]:
+    root = tmp_path_factory.mktemp("moe")
+    made = {}
+    for name, config in CONFIGS.items():
+        (root / f"{name}.json").write_text(json.dumps(config))
+        run("checkpoint", "--config", str(root / f"{name}.json"), "--layers", "2", "--out", str(root / f"ckpt-{name}"))
+        run("rollout", "--model", str(root / f"ckpt-{name}"), "--prompt-lens", PROMPT_LENS, "--samples", str(SAMPLES), "--max-tokens",
+            str(MAX_TOKENS), "--temperature", "1.0", "--out", str(root / f"dump-{name}"))  # fmt: skip
+        made[name] = (root / f"ckpt-{name}", root / f"dump-{name}")
+    return made
+
+
+def compare(made: tuple[Path, Path], *extra: str) -> dict[str, Any]:
+    return json.loads(run("compare", "--model", str(made[0]), "--rollout", str(made[1]), "--json", *extra).stdout)
+
+
+def computed_rows() -> int:
+    """Every token of every sequence but its last sampled one (never fed)."""
+    return SAMPLES * sum(int(n) + MAX_TOKENS - 1 for n in PROMPT_LENS.split(","))
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_the_dump_holds_the_engines_route_of_every_row_of_every_step(rollouts: dict[str, tuple[Path, Path]], name: str) -> None:
+    engine = load_dump(str(rollouts[name][1])).engine or {}
+    config = CONFIGS[name]
+    assert engine["moe"] == {"layers": [f"model.layers.{i}.mlp.experts" for i in range(2)], "experts": config["num_experts"],
+                             "top_k": config["num_experts_per_tok"]}  # fmt: skip
+    assert len(engine["routes"]) == len(engine["steps"])
+    for step, routes in zip(engine["steps"], engine["routes"], strict=True):
+        assert len(routes) == 2
+        for layer in routes:
+            assert len(layer) == len(step)
+            assert all(len(set(r)) == config["num_experts_per_tok"] and all(0 <= e < config["num_experts"] for e in r) for r in layer)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_as_is_the_routes_are_compared_per_layer_and_replayed_every_one_is_the_engines(rollouts: dict[str, tuple[Path, Path]],
+                                                                                       name: str) -> None:  # fmt: skip
+    as_is = compare(rollouts[name])
+    routes = as_is["routes"]
+    assert not routes["replayed"] and [r["layer"] for r in routes["layers"]] == [f"model.layers.{i}.mlp.experts" for i in range(2)]
+    for layer in routes["layers"]:
+        assert layer["tokens"] == computed_rows() and 0 <= layer["differ"] <= layer["tokens"]
+        assert layer["share"] == layer["differ"] / layer["tokens"]
+    replayed = compare(rollouts[name], "--replay-routes")
+    assert replayed["routes"]["replayed"]
+    assert [(r["tokens"], r["differ"]) for r in replayed["routes"]["layers"]] == [(computed_rows(), 0)] * 2
+    assert replayed["logprob"]["comparable"] and replayed["logprob"]["max"] >= 0  # the gap left, reported
+
+
+def test_replay_holds_on_fsdp2_ranks(rollouts: dict[str, tuple[Path, Path]]) -> None:
+    replayed = compare(rollouts["qwen3-moe"], "--replay-routes", "--world-size", "2")
+    assert [(r["tokens"], r["differ"]) for r in replayed["routes"]["layers"]] == [(computed_rows(), 0)] * 2
+
+
+def test_the_contract_refuses_moe_before_any_model_is_built_and_offers_replay(rollouts: dict[str, tuple[Path, Path]]) -> None:
+    checkpoint, dump = rollouts["qwen2-moe"]
+    done = run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--contract", "vllm", check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "mixture of experts" in last and "--replay-routes" in last, last
+    assert "Loading weights" not in done.stderr and "Traceback" not in done.stderr
+
+
+def test_onpolicy_replays_the_engines_routes_on_fsdp2_and_refuses_the_contract_up_front(rollouts: dict[str, tuple[Path, Path]],
+                                                                                        tmp_path: Path) -> None:  # fmt: skip
+    checkpoint = rollouts["qwen3-moe"][0]
+    common = ["onpolicy", "--model", str(checkpoint), "--samples", "2", "--max-tokens", "4", "--prompt-lens", "9,14", "--steps", "2"]
+    refused = run(*common, "--out", str(tmp_path / "refused"), check=False)
+    last = refused.stderr.strip().splitlines()[-1]
+    assert refused.returncode == 2 and "mixture of experts" in last and "--replay-routes" in last, last
+    assert not (tmp_path / "refused").exists()
+    out = tmp_path / "replayed"
+    run(*common, "--out", str(out), "--contract", "none", "--replay-routes", "--mode", "audit", "--world-size", "2", "--compiled",
+        "--json", str(out) + ".json")  # fmt: skip
+    data = json.loads(Path(str(out) + ".json").read_text())
+    assert data["config"]["replay_routes"] and data["stopped"] is None and len(data["steps"]) == 2
+    for step in data["steps"]:
+        assert step["tokens"] == 2 * 2 * 4 and 0 <= step["mismatches"] <= step["tokens"]  # the gap left, certified per token
