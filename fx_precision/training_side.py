@@ -2,7 +2,8 @@
 
     build_training_side(RunConfig, mesh)             each step takes the side so far and gives it back
     1 build     the model as fp32 masters: a checkpoint's weights (they hold its bf16 values exactly, as after a weight
-                sync), or what ``cfg.model()`` builds (compare's built-in zoo sides)
+                sync), or what ``cfg.model()`` builds (compare's built-in zoo sides); under a contract that follows MoE
+                experts, transformers' batched_mm experts (each MoE block one graph)
     2 policy    ``cfg.policy(model)`` (gather / compute / rules), or, following an engine contract, the contract's:
                 gather bf16, compute bf16, the contract's graph rewrites in the backend (``contract_policy``)
     3 plan      the policy lowered onto the model (per-layer units under FSDP2)
@@ -191,7 +192,22 @@ def _build(side: TrainingSide) -> TrainingSide:
     side.model = load_checkpoint(source, dtype=torch.float32) if isinstance(source, str) else source()
     side.model.train(side.cfg.train)
     side.name = type(side.model).__name__  # before FSDP2 makes it FSDP<name>
+    if side.cfg.contract is not None and side.cfg.contract.moe is not None:
+        _experts_in_one_graph(side.model)
     return side
+
+
+def _experts_in_one_graph(model: nn.Module) -> None:
+    """Under a contract that follows the engine's experts: transformers' ``batched_mm`` experts, whose shapes do not
+    depend on the routes, so each MoE block is traced whole (``grouped_mm``'s data-dependent offsets break the graph
+    inside the block when it trains) and the contract's rewrite takes the block as one (its arithmetic is the engine's
+    whichever implementation it replaces)."""
+    setter = getattr(model, "set_experts_implementation", None)
+    if callable(setter):
+        try:
+            setter("batched_mm")
+        except (ValueError, KeyError):  # a model that cannot switch: its graphs are refused where a block is split
+            pass
 
 
 def _policy(side: TrainingSide) -> TrainingSide:

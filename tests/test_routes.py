@@ -144,6 +144,6 @@ def test_disagreement_counts_rows_routed_to_another_set() -> None:
 
 
 def test_the_contract_is_refused_on_an_moe_engine_with_replay_offered() -> None:
-    refuse_moe_contract({"steps": []}, "--contract vllm")  # a dense model: nothing refused
-    with pytest.raises(PrecisionError, match=r"--contract vllm: the model is a mixture of experts \(4 of 16 .* --replay-routes"):
-        refuse_moe_contract({"moe": {"layers": ["a", "b"], "experts": 16, "top_k": 4}}, "--contract vllm")
+    refuse_moe_contract({"steps": []}, "--contract vllm", None)  # a dense model: nothing refused
+    with pytest.raises(PrecisionError, match=r"--contract vllm: the model is a mixture of experts \(4 of 16 .*shared.* --replay-routes"):
+        refuse_moe_contract({"moe": {"layers": ["a", "b"], "experts": 16, "top_k": 4}}, "--contract vllm", "no shared experts")

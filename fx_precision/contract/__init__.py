@@ -15,6 +15,9 @@
     │               eager kernels, as the engine runs them (always: Inductor sums and approximates otherwise), at the
     │               ATen CPU capability the engine's ran at (``eager_math``: AVX512, AVX2; the vector width decides
     │               a reduction's order), which the training process must run at too
+    ├── moe         MoeKernel (contract/moe.py): the engine's router (top-k of the bf16 logits, softmax over them or
+    │               exp(logit - logsumexp)) and its fused experts' arithmetic (FMA chains, its SiLU, the weighted
+    │               combine in top-k order); None for a dense model
     ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T, renormalised
     │               over what the request's top-k and top-p keep: logprobs.py)
     └── unmatched   the op classes the probes could not match, each with why: their value is None, and the
@@ -37,6 +40,7 @@ from typing import Any
 from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
 from fx_precision.contract.linear_order import LinearOrders
+from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
 from fx_precision.errors import PrecisionError
 
@@ -129,9 +133,9 @@ class RotaryOp:
             raise PrecisionError(str(exc).replace("RotaryOp.", f"{where}.").replace("RotaryOp(", f"{where}(")) from None
 
 
-# a contract written before KV tiles were followed has no kv_tiling: one tile per row
-_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence",
-           "kv_tiling")  # fmt: skip
+_FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
+# written by later versions only: a contract without kv_tiling takes one KV tile per row, one without moe read no experts
+_OPTIONAL = ("kv_tiling", "moe")
 
 
 @dataclass(frozen=True)
@@ -150,6 +154,7 @@ class EngineContract:
     unmatched: tuple[tuple[OpClass, str], ...] = ()
     evidence: ContractEvidence = field(default_factory=ContractEvidence)  # what each probe found (contract/evidence.py)
     kv_tiling: KvTiling | None = None  # where the engine's attention placed its KV tiles (None: one tile per row)
+    moe: MoeKernel | None = None  # the engine's fused experts and router (None: a dense model, or unmatched says why)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -174,6 +179,8 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.evidence: a ContractEvidence, got {type(self.evidence).__name__}")
         if self.kv_tiling is not None and not isinstance(self.kv_tiling, KvTiling):
             raise PrecisionError(f"EngineContract.kv_tiling: a KvTiling or None, got {type(self.kv_tiling).__name__}")
+        if self.moe is not None and not isinstance(self.moe, MoeKernel):
+            raise PrecisionError(f"EngineContract.moe: a MoeKernel or None, got {type(self.moe).__name__}")
         missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention, OpClass.LOGPROBS: self.logprobs}
         for op_class, value in missing.items():
             if value is None and op_class not in self.why_unmatched():
@@ -201,6 +208,7 @@ class EngineContract:
             + (f" in the engine's KV tiles ({self.kv_tiling.describe()})" if self.kv_tiling and self.attention else ""),
             f"linears: {self.linears.describe()}",
             *([f"eager math at {self.eager_math}"] if self.eager_math else []),
+            *([f"experts {self.moe.describe()}"] if self.moe is not None else []),
             f"log-probs {self.logprobs or 'unmatched'}",
         ]
         return f"{self.engine} {self.version or ''}: " + "; ".join(parts)
@@ -218,11 +226,12 @@ class EngineContract:
             "unmatched": [[str(c), why] for c, why in self.unmatched],
             "evidence": self.evidence.to_dict(),
             "kv_tiling": self.kv_tiling.to_dict() if self.kv_tiling is not None else None,
+            "moe": self.moe.to_dict() if self.moe is not None else None,
         }
 
     @classmethod
     def from_dict(cls, data: Any) -> EngineContract:
-        data = _object(data, "contract", _FIELDS if isinstance(data, dict) and "kv_tiling" in data else _FIELDS[:-1])
+        data = _object(data, "contract", _FIELDS + tuple(n for n in _OPTIONAL if isinstance(data, dict) and n in data))
         unmatched = data["unmatched"]
         if not isinstance(unmatched, list) or any(
             not isinstance(u, list) or len(u) != 2 or not all(isinstance(x, str) for x in u) for u in unmatched
@@ -241,6 +250,7 @@ class EngineContract:
                 unmatched=tuple((c, why) for c, why in unmatched),
                 evidence=ContractEvidence.from_dict(data["evidence"]),
                 kv_tiling=KvTiling.from_dict(data["kv_tiling"]) if data.get("kv_tiling") is not None else None,
+                moe=MoeKernel.from_dict(data["moe"]) if data.get("moe") is not None else None,
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None

@@ -1119,6 +1119,60 @@ void linear_lanes(const uint16_t* x, const uint16_t* w, const float* bias, uint1
 
 }  // namespace
 
+// ---------------------------------------------------------------------------------------------
+// Mixture of experts: vLLM's CPU fused experts (cpu_fused_moe, its portable "vec" path), per (token, slot):
+//   gate_n, up_n   one fp32 FMA chain each over H in order, from 0 (the engine's micro-GEMM: one accumulator per output)
+//   act_n          SiLU(gate) * up in fp32 with the engine's exp polynomial: s = 1 / fma(e/2, 2, 1), (s * gate) * up,
+//                  rounded to bf16 (nearest even, denormals to zero) before the down projection
+//   y_n            one fp32 FMA chain over I in order (the padding the engine adds to I contributes exact zeros)
+// and per token the slots in top-k order: s = y_0 * w_0, then s = fma(y_j, w_j, s), rounded once. Tokens are grouped per
+// expert (the engine's counting sort); nothing is summed across tokens or threads, so no result depends on either.
+// ---------------------------------------------------------------------------------------------
+
+namespace {
+
+// e^v / 2 by the engine's polynomial (its caller doubles it inside an FMA).
+inline float moe_exp_half(float v) {
+  const float log2e = bits_to_float(0x3fb8aa3bu), ln2 = bits_to_float(0x3f317218u);
+  const float lo = bits_to_float(0xc2aeac50u), hi = bits_to_float(0x42b17218u);
+  const bool underflow = v < lo;
+  float src = v < hi ? v : hi;
+  src = src > lo ? src : lo;
+  float fx = std::floor(std::fmaf(src, log2e, 0.5f));
+  float r = std::fmaf(-fx, ln2, src);
+  float p = std::fmaf(r, 0.00828929059f, 0.0418978221f);
+  p = std::fmaf(r, p, 0.166676521f);
+  p = std::fmaf(r, p, 0.499991506f);
+  p = std::fmaf(r, p, 0.999999701f);
+  p = std::fmaf(r, p, 1.0f);
+  const int32_t n = static_cast<int32_t>(std::nearbyint(fx - 1.0f));
+  return p * (underflow ? 0.0f : bits_to_float(static_cast<uint32_t>(n + 127) << 23));
+}
+
+inline float moe_silu_mul(float gate, float up) {
+  const float s = 1.0f / std::fmaf(moe_exp_half(-gate), 2.0f, 1.0f);
+  return (s * gate) * up;
+}
+
+constexpr int kMoeLanes = 16;  // tokens of one expert computed side by side (each its own chain)
+
+// acc[n * 16 + m] = sum_k xt[k * 16 + m] * w[n * K + k], one FMA chain per (n, m) in k order, from 0.
+__attribute__((target_clones("avx512f", "avx2,fma", "default")))
+void moe_chains(const float* xt, const uint16_t* w, int64_t N, int64_t K, float* acc) {
+  for (int64_t n = 0; n < N; ++n) {
+    float a[kMoeLanes] = {};
+    const uint16_t* row = w + n * K;
+    for (int64_t k = 0; k < K; ++k) {
+      const float wv = bf16_value(row[k]);
+      const float* xk = xt + k * kMoeLanes;
+      for (int m = 0; m < kMoeLanes; ++m) a[m] = std::fmaf(xk[m], wv, a[m]);
+    }
+    std::memcpy(acc + n * kMoeLanes, a, sizeof(a));
+  }
+}
+
+}  // namespace
+
 extern "C" {
 
 // q: [B, T, H, D], k, v: [B, S, KVH, D] (bf16 bits, contiguous); key_lens: [B], valid keys per row;
@@ -1255,6 +1309,50 @@ void fxp_product_fold(const uint16_t* x, const uint16_t* w, const float* bias, u
     out[i] = order->kernel == 2 ? bf16_rne(lanes_output(x + i * K, w + i * K, K, order->lanes, b))
                                 : bf16_rne(ftz(pairs_output(x + i * K, w + i * K, K, *order, b)));
   }
+}
+
+// y [T, H] = the engine's fused experts of x [T, H] (bf16 bits): w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
+// topk weights [T, K] fp32 and ids [T, K] int64 (each in [0, E): the caller checks). See moe_chains.
+void fxp_fused_moe(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const float* tw, const int64_t* ids, uint16_t* out,
+                   int64_t T, int64_t H, int64_t I, int64_t K, int64_t E, int64_t threads) {
+  std::vector<int64_t> count(E + 1, 0), pairs(T * K);
+  for (int64_t i = 0; i < T * K; ++i) count[ids[i] + 1] += 1;
+  for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];
+  std::vector<int64_t> fill(count.begin(), count.end() - 1);
+  for (int64_t i = 0; i < T * K; ++i) pairs[fill[ids[i]]++] = i;  // per expert, (token, slot) in token order
+  std::vector<float> y(static_cast<size_t>(T * K * H));
+  std::vector<int64_t> blocks;  // (expert, first pair) of every block of up to 16 pairs
+  for (int64_t e = 0; e < E; ++e)
+    for (int64_t b = count[e]; b < count[e + 1]; b += kMoeLanes) blocks.push_back(b * E + e);
+  parallel_ranges(static_cast<int64_t>(blocks.size()), threads, [&](int64_t begin, int64_t end) {
+    std::vector<float> xt(H * kMoeLanes), gu(2 * I * kMoeLanes), act(I * kMoeLanes), down(H * kMoeLanes);
+    for (int64_t q = begin; q < end; ++q) {
+      const int64_t e = blocks[q] % E, first = blocks[q] / E, n = std::min<int64_t>(kMoeLanes, count[e + 1] - first);
+      std::fill(xt.begin(), xt.end(), 0.0f);
+      for (int64_t m = 0; m < n; ++m) {
+        const uint16_t* row = x + (pairs[first + m] / K) * H;
+        for (int64_t k = 0; k < H; ++k) xt[k * kMoeLanes + m] = bf16_value(row[k]);
+      }
+      moe_chains(xt.data(), w13 + e * 2 * I * H, 2 * I, H, gu.data());
+      for (int64_t i = 0; i < I; ++i)
+        for (int m = 0; m < kMoeLanes; ++m)
+          act[i * kMoeLanes + m] = bf16_value(bf16_rne(ftz(moe_silu_mul(gu[i * kMoeLanes + m], gu[(I + i) * kMoeLanes + m]))));
+      moe_chains(act.data(), w2 + e * H * I, H, I, down.data());
+      for (int64_t m = 0; m < n; ++m) {
+        float* dst = y.data() + pairs[first + m] * H;
+        for (int64_t h = 0; h < H; ++h) dst[h] = down[h * kMoeLanes + m];
+      }
+    }
+  });
+  parallel_ranges(T, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      for (int64_t h = 0; h < H; ++h) {
+        float s = y[(t * K) * H + h] * tw[t * K];
+        for (int64_t j = 1; j < K; ++j) s = std::fmaf(y[(t * K + j) * H + h], tw[t * K + j], s);
+        out[t * H + h] = bf16_rne(ftz(s));
+      }
+    }
+  });
 }
 
 }  // extern "C"

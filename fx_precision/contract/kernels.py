@@ -4,6 +4,7 @@
         fxp_attention            attention in the engine's arithmetic (AMX tiles, or the vector variants)
         fxp_linear               a linear in one of the engine's GEMM orders (AMX chunks, VDPBF16PS pairs, torch's lanes)
         fxp_chunk_dots, fxp_order_fold, fxp_product_fold     the linear probe's candidates, output by output
+        fxp_fused_moe            mixture-of-experts experts in the engine's arithmetic (vLLM's CPU fused experts)
         fxp_cpu_has_*            what this CPU runs
 
 The library includes no torch or Python headers, so it builds in a second or two with any C++17
@@ -147,6 +148,8 @@ class EngineKernels:
         lib.fxp_chunk_dots_emulated.restype = None
         lib.fxp_product_fold.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.POINTER(LinearOrderStruct)]
         lib.fxp_product_fold.restype = None
+        lib.fxp_fused_moe.argtypes = [_P] * 6 + [_I64] * 6
+        lib.fxp_fused_moe.restype = None
         lib.fxp_set_vector_path.argtypes = [_INT]
         lib.fxp_set_vector_path.restype = None
         lib.fxp_cpu_has_amx.restype = _INT
@@ -260,6 +263,33 @@ class EngineKernels:
                 x.data_ptr(), weight.data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), M, N, K, ctypes.byref(order),
                 torch.get_num_threads(), int(emulated),
             )  # fmt: skip
+        return out
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The engine's fused experts (engine_kernels.cpp, fxp_fused_moe): x [T, H], w13 [E, 2I, H] (gate rows, then up
+        rows), w2 [E, H, I] bf16; the routes' weights [T, K] (fp32) and expert ids [T, K]; out [T, H] bf16, whatever
+        this process's thread count."""
+        if any(t.dtype != torch.bfloat16 for t in (x, w13, w2)) or x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
+            raise PrecisionError(
+                f"engine fused experts take bf16 x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {x.dtype} {tuple(x.shape)}, "
+                f"{w13.dtype} {tuple(w13.shape)}, {w2.dtype} {tuple(w2.shape)}"
+            )
+        (T, H), (E, two_i, _) = x.shape, w13.shape
+        fits = w13.shape[2] == H and not two_i % 2 and w2.shape == (E, H, two_i // 2)
+        if not fits or weights.shape != ids.shape or ids.dim() != 2 or ids.shape[0] != T:
+            raise PrecisionError(
+                f"engine fused experts: x {tuple(x.shape)}, w13 {tuple(w13.shape)}, w2 {tuple(w2.shape)}, weights {tuple(weights.shape)} "
+                f"and ids {tuple(ids.shape)} do not fit one another"
+            )
+        ids64 = ids.to(torch.int64).contiguous().cpu()
+        if ids64.numel() and (int(ids64.min()) < 0 or int(ids64.max()) >= E):
+            raise PrecisionError(f"engine fused experts: expert ids must lie in [0, {E}), got {int(ids64.min())}..{int(ids64.max())}")
+        x, w13, w2 = (t.contiguous().cpu() for t in (x, w13, w2))
+        w32 = weights.to(torch.float32).contiguous().cpu()
+        out = torch.empty((T, H), dtype=torch.bfloat16)
+        if T:
+            self.lib.fxp_fused_moe(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), w32.data_ptr(), ids64.data_ptr(), out.data_ptr(), T, H,
+                                   two_i // 2, ids.shape[1], E, torch.get_num_threads())  # fmt: skip
         return out
 
     def chunk_dots(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

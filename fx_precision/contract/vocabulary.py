@@ -23,6 +23,7 @@ class OpClass(TextEnum):
     LINEARS = "linears"
     EAGER_MATH = "eager-math"
     LOGPROBS = "logprobs"
+    MOE = "moe"
 
 
 class Rounding(TextEnum):

@@ -75,18 +75,19 @@ class EngineSide:
 
     def contract(self, step: int) -> Any:
         """This generation's contract: every op class matched, and the graph-fixed ones (norm, rotary, attention,
-        log-probs, eager math) those of step 0, whose contract the trainer's graphs were compiled to."""
+        log-probs, eager math, experts) those of step 0, whose contract the trainer's graphs were compiled to."""
         contract = self.process.probe(self._last)
         if contract.unmatched:
             op_class, why = contract.unmatched[0]
             raise PrecisionError(
                 f"step {step}: the engine's {op_class} matched no candidate the contract knows ({why}); the trainer cannot compute "
                 "what the engine does: run with --contract none to see the gap"
+                + (" (--replay-routes routes every token to the engine's experts)" if str(op_class) == "moe" else "")
             )
         if self.first_contract is None:
             self.first_contract = contract
         else:
-            for name in ("norm", "rotary", "attention", "logprobs", "eager_math"):
+            for name in ("norm", "rotary", "attention", "logprobs", "eager_math", "moe"):
                 if getattr(contract, name) != getattr(self.first_contract, name):
                     raise PrecisionError(
                         f"step {step}: the engine's {name} is {getattr(contract, name)}, at step 0 {getattr(self.first_contract, name)}: "

@@ -48,7 +48,7 @@ from fx_precision.errors import PrecisionError
 from fx_precision.onpolicy.batches import MicroBatch, StepData, forward_logprobs, micro_batches
 from fx_precision.onpolicy.config import FIXED_PROMPT_LEN, OnPolicyConfig
 from fx_precision.onpolicy.metrics import Certificate, OnPolicyRun, StepMetrics, certify
-from fx_precision.routes import config_moe, moe_contract_refusal
+from fx_precision.routes import config_moe
 
 # ---------------------------------------------------------------------------------------------
 # the parent: preflight, DIR, then the ranks
@@ -85,8 +85,6 @@ def preflight(cfg: OnPolicyConfig) -> tuple[int, Any]:
             "with non-finite weights samples garbage and learns nothing; start from a finite checkpoint"
         )
     moe = config_moe(cc.config)
-    if moe is not None and cfg.contract == "vllm":
-        raise moe_contract_refusal("--contract vllm", moe[0], moe[1])
     if moe is None and cfg.replay_routes:
         raise PrecisionError(f"--replay-routes: {cfg.checkpoint} is a dense model (its config names no expert count): drop the flag")
     vocab = int(cc.config.vocab_size)

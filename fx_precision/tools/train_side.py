@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from fx_precision.contract.vocabulary import OpClass
 from fx_precision.dtypes import dtype_name
 from fx_precision.dump import Dump, DumpRecorder, Sequence
 from fx_precision.errors import PrecisionError
@@ -66,7 +67,7 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
 def _forward_all(side: TrainingSide, dump: Dump, out: Dump, rows: list[Any]) -> None:
     """Each sequence alone. Compiled, each length is a graph of its own (static shapes). Against an MoE engine dump, the
     routes each forward took are tapped, or replayed (``cfg.replay_routes``), and compared with the engine's (``out.routes``)."""
-    routing = EngineRoutes.of(dump, side.cfg.replay_routes)
+    routing = EngineRoutes.of(dump, side.cfg.replay_routes, under_contract=side.cfg.contract is not None)
     with compile_limits(4 * len(dump.sequences)):
         _forward_each(side, dump, out, rows, routing)
     if routing is not None:
@@ -82,10 +83,11 @@ class EngineRoutes:
     engine: list[torch.Tensor] | None  # None: the dump holds none (``why``)
     replay: bool
     why: str | None = None
+    under_contract: bool = False  # the contract's router op routes (and reports) instead of the model's top-k
     used: list[torch.Tensor] = field(default_factory=list)
 
     @classmethod
-    def of(cls, dump: Dump, replay: bool) -> EngineRoutes | None:
+    def of(cls, dump: Dump, replay: bool, *, under_contract: bool = False) -> EngineRoutes | None:
         engine = dump.engine or {}
         spec = MoeSpec.of(engine)
         if spec is None:
@@ -96,12 +98,12 @@ class EngineRoutes:
             why = str(engine.get("routes_missing") or "the dump records none (written by an older rollout)")
             if replay:
                 raise PrecisionError(f"--replay-routes: the engine's routes were not recorded whole ({why}); roll out again")
-            return cls(spec, None, False, why)
-        return cls(spec, routes_of(dump.sequences, engine), replay)
+            return cls(spec, None, False, why, under_contract)
+        return cls(spec, routes_of(dump.sequences, engine), replay, None, under_contract)
 
     def tap(self, sequence: int) -> RouteTap:
         replay = self.engine[sequence] if self.replay and self.engine is not None else None
-        return RouteTap(self.spec, replay=replay)
+        return RouteTap(self.spec, replay=replay, intercept=not self.under_contract)
 
     def keep(self, tap: RouteTap, length: int) -> None:
         tap.check_complete()
@@ -110,7 +112,8 @@ class EngineRoutes:
     def report(self) -> dict[str, Any]:
         """Per MoE layer, the share of the engine's routed tokens the training side routed to another set of experts."""
         layers = disagreement(self.spec, self.engine, self.used) if self.engine is not None else None
-        return {"replayed": self.replay, "moe": self.spec.to_dict(), "layers": layers, "why": self.why}
+        how = "contract" if self.under_contract else "replayed" if self.replay else "own"
+        return {"replayed": self.replay, "routed_by": how, "moe": self.spec.to_dict(), "layers": layers, "why": self.why}
 
 
 @dataclass(frozen=True)
@@ -186,7 +189,10 @@ def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | Non
                 f"--contract {contract_engine}: the dump holds {contract.engine}'s contract; pass --contract {contract.engine}"
             )
         notes = contract_notes(contract, engine.engine or {})
-        refuse_moe_contract(engine.engine or {}, f"--contract {contract.engine}")
+        if contract.moe is None:
+            refuse_moe_contract(engine.engine or {}, f"--contract {contract.engine}", contract.why_unmatched().get(OpClass.MOE))
+        if cfg.replay_routes:
+            raise PrecisionError("--replay-routes with --contract: the contract routes every token as the engine does; drop one")
     return EngineRun(train_against(engine, replace(cfg, contract=contract)), engine, contract, notes)
 
 

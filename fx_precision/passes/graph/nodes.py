@@ -8,6 +8,7 @@ to placeholders named after their source (``l_self_modules_model_modules_embed_t
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Callable, Collection, Iterator
 from typing import Any, NamedTuple, TypeGuard
@@ -80,9 +81,14 @@ class StackFrame(NamedTuple):
 _FRAME = re.compile(r'File "([^"]+)", line (\d+), in (\S+)\n\s*(.*)')
 
 
+_OWN_MODES = (os.path.join("fx_precision", "routes.py"),)  # fx_precision's torch-function modes: their frames are not the program's
+
+
 def stack_frame(node: fx.Node) -> StackFrame | None:
-    """The innermost frame of ``meta["stack_trace"]`` (the line of user code that made the node), or None."""
-    frames = _FRAME.findall(node.meta.get("stack_trace") or "")
+    """The innermost frame of ``meta["stack_trace"]`` (the line of user code that made the node), or None; a frame of
+    fx_precision's own torch-function mode (routes.RouteTap, entered around a forward) is skipped: every op traced
+    under it passes through it, and the line that made the op is the program's one before."""
+    frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "") if not f[0].endswith(_OWN_MODES)]
     if not frames:
         return None
     file, line, function, code = frames[-1]

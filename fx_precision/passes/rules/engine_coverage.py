@@ -3,7 +3,8 @@ not follow. A contract silently broken there would only show after a rollout, so
 
     eager softmax attention        a softmax over q @ k^T a few ops before (Gemma2's soft-capping, Bloom's ALiBi)
     a linear as another product    a matrix product with a weight operand the linear rewrite did not take
-    mixture-of-experts routing     topk (the engine's fused-experts kernel)
+    mixture-of-experts routing     a top-k left: the probe read no MoE kernel (its reason), or a router the MoE rewrite
+                                   did not take
     a causal convolution           conv1d (a linear-attention layer: GatedDeltaNet)
     an unfollowed rotary           a negation multiplied after a stack / cat, or x1*c - x2*s written out (interleaved
                                    pairs, MLA), where the contract's rotary is the kernel's
@@ -20,7 +21,7 @@ import torch
 from torch import fx
 
 from fx_precision.contract import EngineContract
-from fx_precision.contract.vocabulary import RotaryForm
+from fx_precision.contract.vocabulary import OpClass, RotaryForm
 from fx_precision.passes.graph.kinds import FindingKind, Severity
 from fx_precision.passes.graph.linear_forms import transposed_weight, weight_like
 from fx_precision.passes.graph.nodes import ENGINE_MADE, is_call, module_path, source_line
@@ -86,7 +87,8 @@ def _weight_gemm(node: fx.Node) -> bool:
 
 FOLLOWED = (
     "the contract follows dense decoders: scaled_dot_product_attention (attn_implementation='sdpa'), half-split (neox) rotary on "
-    "bf16 tensors, F.linear / x @ w.T / addmm linears, dense MLPs; compare without --contract to see the gap"
+    "bf16 tensors, F.linear / x @ w.T / addmm linears, dense MLPs, MoE blocks of stacked experts behind a softmax top-k router; "
+    "compare without --contract to see the gap (an MoE model: --replay-routes)"
 )
 
 
@@ -107,7 +109,9 @@ def unfollowed(gm: fx.GraphModule, contract: EngineContract) -> list[Finding]:
             found.append(_finding(node, f"a linear written as {node.target}: the engine's GEMM order is followed for F.linear, x @ w.T "
                                         "and addmm only"))  # fmt: skip
         elif is_call(node, {torch.topk}, "topk"):
-            found.append(_finding(node, "mixture-of-experts routing (topk): the engine's fused-experts kernel is not followed"))
+            why = contract.why_unmatched().get(OpClass.MOE, "the rollout read no MoE kernel" if contract.moe is None else "a router "
+                                               "whose experts the MoE rewrite did not take")  # fmt: skip
+            found.append(_finding(node, f"mixture-of-experts routing (topk): the engine's experts are not followed here ({why})"))
         elif is_call(node, {torch.conv1d, torch.nn.functional.conv1d}):
             found.append(_finding(node, "a causal convolution (a linear-attention layer): the engine's kernel is not followed"))
         elif kernel_rotary and ENGINE_MADE not in node.meta and _rotation_left(node):

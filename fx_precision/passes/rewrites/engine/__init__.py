@@ -6,12 +6,14 @@ op class off its engine), the ops are ``contract/ops.py``'s custom ops, the rewr
 op class, found by what the ops do, never by module names (every architecture with the pattern is covered)::
 
     OP_CLASSES     op class      probe (adapter)         ops (torch.ops.fxp_engine)           rewrite
-    1              norm          the fused norm          residual_add, unrounded_residual     norm.fuse_add_norm
-    2              rotary        the rotary module       rotary (truncating store)            rotary.engine_rotary
-    3              attention     the attention op        attention                            attention.engine_attention
-    4              linears       each linear call        linear                               linears.engine_linears
-    5              eager-math    (always)                eager_math, eager_layer_norm         eager_math.engine_eager_math
-    6              logprobs      the sampler             (the training side's log_softmax)    (none: not a graph op)
+    1              moe           the router, the experts moe_route, fused_moe                 moe.engine_moe (first: the
+                                                                                                 block's output is bf16)
+    2              norm          the fused norm          residual_add, unrounded_residual     norm.fuse_add_norm
+    3              rotary        the rotary module       rotary (truncating store)            rotary.engine_rotary
+    4              attention     the attention op        attention                            attention.engine_attention
+    5              linears       each linear call        linear                               linears.engine_linears
+    6              eager-math    (always)                eager_math, eager_layer_norm         eager_math.engine_eager_math
+    7              logprobs      the sampler             (the training side's log_softmax)    (none: not a graph op)
     then           coverage      FXP301 findings (passes/rules/engine_coverage.py): what is left unfollowed
 
 Each rewrite takes the contract and refuses a graph with its pattern where the probe matched nothing
@@ -35,6 +37,7 @@ from fx_precision.passes.rewrites.engine.attention import engine_attention
 from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn
 from fx_precision.passes.rewrites.engine.eager_math import engine_eager_math
 from fx_precision.passes.rewrites.engine.linears import engine_linears
+from fx_precision.passes.rewrites.engine.moe import engine_moe
 from fx_precision.passes.rewrites.engine.norm import fuse_add_norm
 from fx_precision.passes.rewrites.engine.rotary import engine_rotary
 from fx_precision.passes.rules.engine_coverage import unfollowed
@@ -51,6 +54,7 @@ class OpClassPass:
 
 
 OP_CLASSES: tuple[OpClassPass, ...] = (
+    OpClassPass(OpClass.MOE, ("moe_route", "fused_moe"), engine_moe, "engine-moe"),
     OpClassPass(OpClass.NORM, ("residual_add", "unrounded_residual"), fuse_add_norm, "fused-add-norm"),
     OpClassPass(OpClass.ROTARY, ("rotary",), engine_rotary, "engine-rotary"),
     OpClassPass(OpClass.ATTENTION, ("attention",), engine_attention, "engine-attention"),

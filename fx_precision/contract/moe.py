@@ -1,0 +1,225 @@
+"""Mixture of experts under the contract: the engine's router and fused experts, as ops a training graph can call.
+
+    MoeKernel                 what the probe read off the engine (engines/vllm/session.py, ``_moe``): the experts kernel
+                              (vLLM's CPU fused experts, its portable "vec" path), the activation, the router's
+                              renormalisation, the expert count and experts per token
+    engine_route(logits, k, renormalize)        vLLM's CPU router (``_softmax_topk``) as it runs: torch.topk of the bf16
+                              logits (``sorted=False``: the slots come in the order the engine's top-k leaves them), then
+                              softmax over the k logits (renormalise) or exp(logit - logsumexp(logits)), in bf16, as fp32
+    fxp_engine::moe_route(logits, k, renormalize) -> (weights fp32, ids int64)
+        forward   engine_route, eagerly (an extern kernel for Inductor: the top-k's slot order and the bf16
+                  softmax stay the engine's)
+        backward  the router's derivative in fp32, written out (moe_route_backward): softmax's over the chosen logits, or
+                  exp(logit - logsumexp)'s over all of them
+    fxp_engine::fused_moe(x, w13, w2, weights, ids) -> bf16
+        forward   engine_kernels.cpp ``fxp_fused_moe``: per token and slot the gate and up FMA chains over H, SiLU(gate)
+                  * up with the engine's exp rounded to bf16, the down chain over I, and the slots combined in top-k
+                  order (y0 * w0, then FMAs), rounded once
+        backward  plain fp32 experts math recomputed, its derivatives written out per expert (fused_moe_backward): of x,
+                  w13, w2 and the weights (ops of their own: AOTAutograd traces backwards with fake tensors)
+
+The training side's routes under the contract are the op's (``route_sink``: routes.RouteTap reads them).
+"""
+
+from __future__ import annotations
+
+import contextvars
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from fx_precision.errors import PrecisionError
+
+KERNELS = ("vec",)  # vLLM's portable CPU fused experts; its AMX kernel ("amx") sums in other blocks: not followed
+ACTIVATIONS = ("silu",)
+
+
+@dataclass(frozen=True)
+class MoeKernel:
+    """The engine's mixture-of-experts arithmetic (module docstring)."""
+
+    kernel: str = "vec"
+    activation: str = "silu"
+    renormalize: bool = True
+    experts: int = 1
+    top_k: int = 1
+    details: dict[str, Any] = field(default_factory=dict, compare=False)  # what the probe compared
+
+    def __post_init__(self) -> None:
+        if self.kernel not in KERNELS:
+            raise PrecisionError(f"MoeKernel.kernel={self.kernel!r}: one of {', '.join(KERNELS)}")
+        if self.activation not in ACTIVATIONS:
+            raise PrecisionError(f"MoeKernel.activation={self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+        if not isinstance(self.renormalize, bool):
+            raise PrecisionError(f"MoeKernel.renormalize={self.renormalize!r}: true or false")
+        for name in ("experts", "top_k"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise PrecisionError(f"MoeKernel.{name}={value!r}: a positive integer")
+        if self.top_k > self.experts:
+            raise PrecisionError(f"MoeKernel: top_k {self.top_k} > experts {self.experts}")
+
+    def describe(self) -> str:
+        norm = "renormalised" if self.renormalize else "exp(logit - logsumexp)"
+        return f"{self.top_k} of {self.experts}, top-k of the bf16 logits, {norm}; {self.kernel} fused experts, {self.activation}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kernel": self.kernel, "activation": self.activation, "renormalize": self.renormalize, "experts": self.experts,
+                "top_k": self.top_k, "details": dict(self.details)}  # fmt: skip
+
+    @classmethod
+    def from_dict(cls, data: Any) -> MoeKernel:
+        names = ("kernel", "activation", "renormalize", "experts", "top_k", "details")
+        if not isinstance(data, dict) or set(data) != set(names):
+            raise PrecisionError(f"contract.moe: a JSON object of {', '.join(names)}, got {data!r}"[:300])
+        if not isinstance(data["details"], dict):
+            raise PrecisionError("contract.moe.details: a JSON object")
+        return cls(**{n: data[n] for n in names})
+
+
+def engine_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """vLLM's CPU router on ``logits`` [T, E] (module docstring): (weights fp32 [T, k], expert ids int64 [T, k])."""
+    values, ids = torch.topk(logits, k=top_k, dim=-1, sorted=False)
+    if renormalize:
+        weights = torch.softmax(values, dim=-1)
+    else:
+        weights = (values - torch.logsumexp(logits, dim=-1, keepdim=True)).exp()
+    return weights.to(torch.float32), ids.to(torch.int64)
+
+
+_SINK: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVar("fxp_route_sink", default=None)
+
+
+def route_sink(sink: list[torch.Tensor] | None) -> contextvars.Token[list[torch.Tensor] | None]:
+    """Every ``moe_route`` call appends its expert ids to ``sink`` until the token is reset (routes.RouteTap)."""
+    return _SINK.set(sink)
+
+
+def reset_route_sink(token: contextvars.Token[list[torch.Tensor] | None]) -> None:
+    _SINK.reset(token)
+
+
+@torch.library.custom_op("fxp_engine::moe_route", mutates_args=())
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    if logits.dtype != torch.bfloat16 or logits.dim() != 2:
+        raise PrecisionError(f"engine router: bf16 logits [tokens, experts], got {logits.dtype} {tuple(logits.shape)}")
+    weights, ids = engine_route(logits.cpu(), top_k, renormalize)
+    sink = _SINK.get()
+    if sink is not None:
+        sink.append(ids.clone())
+    return weights.to(logits.device), ids.to(logits.device)
+
+
+@moe_route.register_fake
+def _(logits, top_k, renormalize):
+    shape = (logits.shape[0], top_k)
+    return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
+
+
+def _route_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+    logits, _top_k, renormalize = inputs
+    ctx.save_for_backward(logits, output[1])
+    ctx.renormalize = renormalize
+
+
+@torch.library.custom_op("fxp_engine::moe_route_backward", mutates_args=())
+def moe_route_backward(grad_weights: torch.Tensor, logits: torch.Tensor, ids: torch.Tensor, renormalize: bool) -> torch.Tensor:
+    """The router's derivative in fp32, written out (an op of its own: AOTAutograd traces a backward with fake tensors)."""
+    x, g = logits.float(), grad_weights.float()
+    chosen = x.gather(-1, ids)
+    grad = torch.zeros_like(x)
+    if renormalize:  # w = softmax(chosen)
+        w = torch.softmax(chosen, dim=-1)
+        grad.scatter_add_(-1, ids, w * (g - (g * w).sum(-1, keepdim=True)))
+    else:  # w = exp(chosen - logsumexp(x))
+        w = (chosen - torch.logsumexp(x, dim=-1, keepdim=True)).exp()
+        grad -= torch.softmax(x, dim=-1) * (g * w).sum(-1, keepdim=True)
+        grad.scatter_add_(-1, ids, g * w)
+    return grad.to(logits.dtype)
+
+
+@moe_route_backward.register_fake
+def _(grad_weights, logits, ids, renormalize):
+    return torch.empty_like(logits)
+
+
+def _route_backward(ctx: Any, grad_weights: torch.Tensor, _grad_ids: Any) -> tuple[Any, ...]:
+    logits, ids = ctx.saved_tensors
+    return moe_route_backward(grad_weights, logits, ids, ctx.renormalize), None, None
+
+
+moe_route.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+@torch.library.custom_op("fxp_engine::fused_moe", mutates_args=())
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    from fx_precision.contract.kernels import engine_kernels
+
+    return engine_kernels().fused_moe(x, w13, w2, weights, ids).to(x.device)
+
+
+@fused_moe.register_fake
+def _(x, w13, w2, weights, ids):
+    return x.new_empty(x.shape, dtype=torch.bfloat16)
+
+
+def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The same experts in plain fp32 torch math (the backward's, differentiable): sum_j w_j * down(SiLU(gate) * up)."""
+    tokens, k = ids.shape
+    out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
+    flat = ids.reshape(-1)
+    token_of = torch.arange(tokens, device=x.device).repeat_interleave(k)
+    for e in flat.unique().tolist():
+        picked = (flat == e).nonzero().squeeze(1)
+        rows = token_of[picked]
+        gate, up = (x[rows].float() @ w13[e].float().t()).chunk(2, dim=-1)
+        y = (torch.nn.functional.silu(gate) * up) @ w2[e].float().t()
+        out = out.index_add(0, rows, y * weights.reshape(-1)[picked].float().unsqueeze(1))
+    return out
+
+
+def _moe_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.save_for_backward(*inputs)
+
+
+@torch.library.custom_op("fxp_engine::fused_moe_backward", mutates_args=())
+def fused_moe_backward(grad: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
+                       ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Plain fp32 experts math, its derivatives written out per expert (an op of its own: the routes decide its shapes)."""
+    tokens, k = ids.shape
+    g_out = grad.float()
+    gx, g13, g2 = torch.zeros(x.shape), torch.zeros(w13.shape), torch.zeros(w2.shape)
+    gw = torch.zeros(tokens, k)
+    flat = ids.reshape(-1)
+    token_of = torch.arange(tokens).repeat_interleave(k)
+    for e in flat.unique().tolist():
+        picked = (flat == e).nonzero().squeeze(1)
+        rows = token_of[picked]
+        xe, a13, a2 = x[rows].float(), w13[e].float(), w2[e].float()
+        gate, up = (xe @ a13.t()).chunk(2, dim=-1)
+        s = torch.sigmoid(gate)
+        act = gate * s * up
+        y = act @ a2.t()
+        go = g_out[rows]
+        gw.view(-1).index_add_(0, picked, (go * y).sum(-1))
+        dy = go * weights.reshape(-1)[picked].float().unsqueeze(1)
+        g2[e] += dy.t() @ act
+        dact = dy @ a2
+        dh = torch.cat([dact * up * (s + gate * s * (1 - s)), dact * gate * s], dim=-1)
+        g13[e] += dh.t() @ xe
+        gx.index_add_(0, rows, dh @ a13)
+    return gx.to(x.dtype), g13.to(w13.dtype), g2.to(w2.dtype), gw.to(weights.dtype)
+
+
+@fused_moe_backward.register_fake
+def _(grad, x, w13, w2, weights, ids):
+    return torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2), torch.empty_like(weights)
+
+
+def _moe_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    x, w13, w2, weights, ids = ctx.saved_tensors
+    return (*fused_moe_backward(grad, x, w13, w2, weights, ids), None)
+
+
+fused_moe.register_autograd(_moe_backward, setup_context=_moe_setup)
