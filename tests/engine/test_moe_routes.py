@@ -1,7 +1,8 @@
 """Mixture-of-experts against a live vLLM: the engine's routes recorded, the contract bitwise, replay where it is not.
 
-Two checkpoints written from configs built here, at sizes no issue names: a Qwen3-MoE (12 experts, 3 per token,
-renormalised) and a Qwen2-MoE (10 experts, 2 per token, not renormalised, a shared expert). One rollout each::
+Three checkpoints written from configs built here, at sizes no issue names: a Qwen3-MoE (12 experts, 3 per token,
+renormalised), another (9 experts, 2 per token, not renormalised, an expert width of 48 the engine pads to 64) and a
+Qwen2-MoE (10 experts, 2 per token, not renormalised, a shared expert). One rollout each::
 
     the dump holds the engine's routes             every forward step, every MoE layer, one route per row fed
     as-is, the routes are compared per layer       every token the engine computed, counted, a share reported
@@ -32,6 +33,8 @@ COMMON = {"vocab_size": 2048, "hidden_size": 128, "intermediate_size": 256, "num
 CONFIGS = {
     "qwen3-moe": {**COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 32,
                   "moe_intermediate_size": 64, "num_experts": 12, "num_experts_per_tok": 3, "norm_topk_prob": True},
+    "qwen3-moe-padded": {**COMMON, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "head_dim": 32,
+                         "moe_intermediate_size": 48, "num_experts": 9, "num_experts_per_tok": 2, "norm_topk_prob": False},
     "qwen2-moe": {**COMMON, "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "moe_intermediate_size": 48,
                   "shared_expert_intermediate_size": 96, "num_experts": 10, "num_experts_per_tok": 2, "norm_topk_prob": False},
 }  # fmt: skip
@@ -101,10 +104,13 @@ def test_replay_holds_on_fsdp2_ranks(rollouts: dict[str, tuple[Path, Path]]) -> 
     assert [(r["tokens"], r["differ"]) for r in replayed["routes"]["layers"]] == [(computed_rows(), 0)] * 2
 
 
-@pytest.mark.parametrize("extra", [(), ("--compiled", "--world-size", "2")], ids=["eager", "inductor-fsdp2"])
-def test_under_the_contract_every_log_prob_is_bitwise_and_every_route_the_engines(rollouts: dict[str, tuple[Path, Path]],
+CONTRACT_RUNS = [("qwen3-moe", ()), ("qwen3-moe", ("--compiled", "--world-size", "2")), ("qwen3-moe-padded", ())]
+
+
+@pytest.mark.parametrize(("name", "extra"), CONTRACT_RUNS, ids=["eager", "inductor-fsdp2", "padded-unnormalised"])
+def test_under_the_contract_every_log_prob_is_bitwise_and_every_route_the_engines(rollouts: dict[str, tuple[Path, Path]], name: str,
                                                                                   extra: tuple[str, ...]) -> None:  # fmt: skip
-    report = compare(rollouts["qwen3-moe"], "--contract", "vllm", *extra)
+    report = compare(rollouts[name], "--contract", "vllm", *extra)
     assert report["contract"]["moe"]["kernel"] == "vec" and not [c for c, _ in report["contract"]["unmatched"]]
     lp = report["logprob"]
     assert lp["comparable"] and lp["max"] == 0 and lp["bitwise_share"] == 1.0 and lp["tokens"] == computed_rows()

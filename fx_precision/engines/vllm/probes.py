@@ -203,12 +203,20 @@ def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]
     weights, ids = router._compute_routing(x, logits, None)
     ours_w, ours_ids = engine_route(logits, top_k, renormalize)
     routed = torch.equal(ids.to(torch.int64), ours_ids) and torch.equal(weights.float().view(torch.int32), ours_w.view(torch.int32))
+    padded = -(-inter // 32) * 32  # the engine pads I to its kernel's tile (zero rows and columns: exact zeros in every sum)
+    padding = getattr(impl, "_padded_intermediate_size", None)
+    if callable(padding) and hasattr(impl, "moe_config"):
+        padded = int(padding(impl.moe_config))
+    e13 = torch.zeros(experts, 2 * padded, hidden, dtype=torch.bfloat16)
+    e13[:, :inter], e13[:, padded : padded + inter] = w13[:, :inter], w13[:, inter:]
+    e2 = torch.zeros(experts, hidden, padded, dtype=torch.bfloat16)
+    e2[:, :, :inter] = w2
     out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
-    ops.cpu_fused_moe(out, x, ops.cpu_prepack_moe_weight(w13, impl.isa), ops.cpu_prepack_moe_weight(w2, impl.isa), None, None,
+    ops.cpu_fused_moe(out, x, ops.cpu_prepack_moe_weight(e13, impl.isa), ops.cpu_prepack_moe_weight(e2, impl.isa), None, None,
                       weights.float().clone(), ids.to(torch.int32), "silu", impl.isa, False)  # fmt: skip
     ours = engine_kernels().fused_moe(x, w13, w2, ours_w, ours_ids)
     differ = int((out.view(torch.int16) != ours.view(torch.int16)).sum())
-    details = {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
+    details = {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter, "padded": padded,
                "routes_equal": routed, "outputs_differ": differ, "outputs": out.numel()}  # fmt: skip
     if not routed or differ:
         why = "the router's routes or weights differ from the contract's" if not routed else f"{differ} of {out.numel()} outputs differ"
