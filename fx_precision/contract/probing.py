@@ -320,15 +320,19 @@ def targeted_rows(weight: torch.Tensor, rows: int, trial: int, gen: torch.Genera
 LinearRun = Callable[[torch.Tensor], torch.Tensor]  # the engine's linear on [M, K] bf16 rows -> [M, N]
 
 
-def linear_families(k: int, threads: int, has_bias: bool) -> tuple[list[LinearOrder], dict[str, str]]:
+def linear_families(k: int, threads: int, has_bias: bool, out_features: int = 0) -> tuple[list[LinearOrder], dict[str, str]]:
     """The candidate orders a linear of K inputs is read against, the cheapest family first, and the families not
-    tried on this CPU with why: torch's lanes (one order), the AMX chunk orders (only where this CPU runs AMX tiles:
-    an engine here cannot have run them), SGL's small-batch pairs from the bias (a linear with a bias: without one it
-    is the plain pairs order), the VDPBF16PS pairs orders."""
+    tried on this CPU with why: torch's lanes (one order), oneDNN's 1-wide GEMV (a 1-wide output only), the AMX chunk
+    orders (only where this CPU runs AMX tiles: an engine here cannot have run them), SGL's small-batch pairs from the
+    bias (a linear with a bias: without one it is the plain pairs order), the VDPBF16PS pairs orders."""
     from fx_precision.contract.kernels import engine_kernels
 
     candidates = [LinearOrder.sequential(k, LinearKernel.LANES)]
     not_tried: dict[str, str] = {}
+    if out_features == 1:  # oneDNN's GEMV takes a 1-wide output (its 16-column brgemm every wider one)
+        candidates.append(LinearOrder.sequential(k, LinearKernel.GEMV16))
+    else:
+        not_tried[str(LinearKernel.GEMV16)] = "the GEMV kernel computes 1-wide outputs only"
     if engine_kernels().cpu_has_amx():
         candidates += candidate_orders(k, threads, LinearKernel.AMX_CHUNKS)
     else:
@@ -377,7 +381,7 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
     kernels = engine_kernels()
     n, k = weight.shape
     trials = max(3, min(MAX_TRIALS, -(-PROBE_OUTPUTS // rows)))
-    found, not_tried = linear_families(k, threads, bias is not None)
+    found, not_tried = linear_families(k, threads, bias is not None, n)
     probed = 0
     last: tuple[torch.Tensor, torch.Tensor] | None = None
     for _ in range(PROBE_ROUNDS):  # a round of trials; another while two orders give every probed output

@@ -2,14 +2,14 @@
 
 Three checkpoints written from configs built here, at sizes no issue names: a Qwen3-MoE (12 experts, 3 per token,
 renormalised), another (9 experts, 2 per token, not renormalised, an expert width of 48 the engine pads to 64) and a
-Qwen2-MoE (10 experts, 2 per token, not renormalised, a shared expert). One rollout each::
+Qwen2-MoE (10 experts, 2 per token, not renormalised, a shared expert with its 1-wide gate). One rollout each::
 
     the dump holds the engine's routes             every forward step, every MoE layer, one route per row fed
     as-is, the routes are compared per layer       every token the engine computed, counted, a share reported
     replayed, every route is the engine's          0 tokens routed otherwise, in process and on FSDP2 x 2
-    under the contract (Qwen3-MoE)                 every log-prob bitwise, every route the engine's: eager, and
+    under the contract                             every log-prob bitwise, every route the engine's: eager, and
                                                    Inductor on FSDP2 x 2; the on-policy loop's mismatch 0 every step
-    a form the contract does not follow            (Qwen2-MoE's shared expert) refused up front with the probe's
+    a form the contract does not follow            (a dump whose probe read none) refused up front with the probe's
                                                    reason, --replay-routes offered in the same line
 """
 
@@ -104,10 +104,14 @@ def test_replay_holds_on_fsdp2_ranks(rollouts: dict[str, tuple[Path, Path]]) -> 
     assert [(r["tokens"], r["differ"]) for r in replayed["routes"]["layers"]] == [(computed_rows(), 0)] * 2
 
 
-CONTRACT_RUNS = [("qwen3-moe", ()), ("qwen3-moe", ("--compiled", "--world-size", "2")), ("qwen3-moe-padded", ())]
+FSDP2 = ("--compiled", "--world-size", "2")
+CONTRACT_RUNS = [("qwen3-moe", ()), ("qwen3-moe", FSDP2), ("qwen3-moe-padded", ()), ("qwen2-moe", ()), ("qwen2-moe", FSDP2)]
 
 
-@pytest.mark.parametrize(("name", "extra"), CONTRACT_RUNS, ids=["eager", "inductor-fsdp2", "padded-unnormalised"])
+RUN_IDS = ["qwen3", "qwen3-inductor-fsdp2", "qwen3-padded-unnormalised", "qwen2-shared", "qwen2-shared-inductor-fsdp2"]
+
+
+@pytest.mark.parametrize(("name", "extra"), CONTRACT_RUNS, ids=RUN_IDS)
 def test_under_the_contract_every_log_prob_is_bitwise_and_every_route_the_engines(rollouts: dict[str, tuple[Path, Path]], name: str,
                                                                                   extra: tuple[str, ...]) -> None:  # fmt: skip
     report = compare(rollouts[name], "--contract", "vllm", *extra)
@@ -118,13 +122,23 @@ def test_under_the_contract_every_log_prob_is_bitwise_and_every_route_the_engine
     assert [(r["tokens"], r["differ"]) for r in report["routes"]["layers"]] == [(computed_rows(), 0)] * 2
 
 
-def test_a_form_the_contract_does_not_follow_is_refused_up_front_and_replay_offered(rollouts: dict[str, tuple[Path, Path]]) -> None:
-    checkpoint, dump = rollouts["qwen2-moe"]
-    contract = load_dump(str(dump)).contract or {}
-    assert contract["moe"] is None and dict(contract["unmatched"])["moe"].find("no shared experts") >= 0
-    done = run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--contract", "vllm", check=False)
+def test_a_form_the_contract_does_not_follow_is_refused_up_front_and_replay_offered(rollouts: dict[str, tuple[Path, Path]],
+                                                                                   tmp_path: Path) -> None:  # fmt: skip
+    """A dump whose probe matched no MoE kernel (as on an AMX CPU, whose engine runs its AMX experts kernel, or a router
+    with grouped top-k): the contract is refused before any model is built, with the probe's reason and replay."""
+    import shutil
+
+    checkpoint, dump = rollouts["qwen3-moe"]
+    edited = tmp_path / "dump"
+    shutil.copytree(dump, edited)
+    manifest = json.loads((edited / "manifest.json").read_text())
+    why = "the engine's MoE is not of the form the contract follows: the portable (vec) fused experts (experts isa amx)"
+    manifest["contract"]["moe"] = None
+    manifest["contract"]["unmatched"].append(["moe", why])
+    (edited / "manifest.json").write_text(json.dumps(manifest))
+    done = run("compare", "--model", str(checkpoint), "--rollout", str(edited), "--contract", "vllm", check=False)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and "mixture of experts" in last and "no shared experts" in last and "--replay-routes" in last, last
+    assert done.returncode == 2 and "mixture of experts" in last and "isa amx" in last and "--replay-routes" in last, last
     assert "Loading weights" not in done.stderr and "Traceback" not in done.stderr
 
 

@@ -182,7 +182,6 @@ def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]
         "no custom routing function": getattr(router, "custom_routing_function", None) is None,
         "no score correction bias": getattr(router, "e_score_correction_bias", None) is None,
         "routed scaling factor 1": float(getattr(runner, "routed_scaling_factor", 1.0) or 1.0) == 1.0,
-        "no shared experts": getattr(runner, "shared_experts", None) is None,
         "SiLU activation": activation == "silu",
         "the portable (vec) fused experts": impl is not None and impl.isa == "vec" and not getattr(impl, "_use_zentorch", False),
         "no expert biases": impl is None or (getattr(impl, "w1_bias", None) is None and getattr(impl, "w2_bias", None) is None),

@@ -23,15 +23,32 @@ from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn,
 LINEARS = OpClass.LINEARS
 
 
-def _engine_width(form: LinearForm, forms: list[LinearForm]) -> int:
+def _width(form: LinearForm) -> int:
+    return int(node_value(form.weight).shape[1 if form.transposed else 0])
+
+
+def _parent(form: LinearForm) -> str:
+    return module_path(form.out).rpartition(".")[0]
+
+
+def _engine_width(form: LinearForm, forms: list[LinearForm], read: set[tuple[int, int]]) -> int:
     """The output width of the engine GEMM this linear may be part of: engines fuse the linears that read one input
-    (q, k and v into qkv; gate and up into gate_up), so their summed width (0 where it reads its input alone). The op
-    falls back to the linear's own width where the engine read no call of the summed one (parallel blocks)."""
+    (q, k and v into qkv; gate and up into gate_up), so their summed width (0 where it reads its input alone). Where
+    the engine read no call of that width (``read``: the contract's (out, in) shapes), the siblings of one parent
+    module (an MoE block's shared expert's gate and up, beside its router and the shared expert's gate, which read
+    the same input as GEMMs of their own); where none of that either, its own width (the op's fallback: parallel
+    blocks)."""
     siblings = [f for f in forms if f.x is form.x]
     if len(siblings) < 2:
         return 0
-    widths = [node_value(f.weight).shape[1 if f.transposed else 0] for f in siblings]
-    return int(sum(widths))
+    k = int(node_value(form.weight).shape[0 if form.transposed else 1])
+    together = sum(_width(f) for f in siblings)
+    family = [f for f in siblings if _parent(f) == _parent(form)]
+    if (together, k) not in read and len(family) > 1 and (sum(_width(f) for f in family), k) in read:
+        return sum(_width(f) for f in family)
+    if (together, k) not in read and (_width(form), k) in read:
+        return 0
+    return together
 
 
 def engine_linears(contract: EngineContract) -> RewriteFn:
@@ -41,7 +58,8 @@ def engine_linears(contract: EngineContract) -> RewriteFn:
         forms = linear_forms(gm)
         if forms and (not contract.linears.calls or LINEARS in contract.why_unmatched()):
             raise contract.refused(LINEARS, module_path(forms[0].out))
-        widths = [_engine_width(f, forms) for f in forms]
+        read = {(c.out_features, c.in_features) for c in contract.linears.calls}
+        widths = [_engine_width(f, forms, read) for f in forms]
         graph = gm.graph
         done = []
         for form, width in zip(forms, widths, strict=True):

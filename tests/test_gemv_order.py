@@ -1,0 +1,59 @@
+"""oneDNN's GEMV for a 1-wide linear (the ``gemv16`` family, contract/linear_order.py): the kernel is its description.
+
+One register of 16 fp32 lanes from +0; K in blocks of 32, lane j the pair (2j, 2j+1) of each block, its odd product
+added and then its even one, each add rounded and flushed to zero if denormal (denormal inputs count as 0, the
+products are exact and not flushed); the lanes reduced 16 -> 8 -> 4, then (t0 + t1) + (t2 + t3); the sum flushed if
+denormal, then rounded to bf16 nearest-even. Here in fp32 torch ops, one add at a time, on sums that cancel (where
+orders part) and on tiny values (where the flushes decide).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from fx_precision.contract.kernels import engine_kernels
+from fx_precision.contract.linear_order import LinearKernel, LinearOrder, candidate_orders
+
+TINY = torch.finfo(torch.float32).tiny
+
+
+def _ftz(v: torch.Tensor) -> torch.Tensor:
+    return torch.where(v.abs() < TINY, torch.zeros_like(v) * v.sign(), v)
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K], w [1, K] bf16 -> [M, 1] bf16, one fp32 add at a time (module docstring)."""
+    m, k = x.shape
+    padded = -(-k // 32) * 32
+    xs = torch.zeros(m, padded)
+    ws = torch.zeros(padded)
+    xs[:, :k], ws[:k] = _ftz(x.float()), _ftz(w.float()[0])
+    lanes = torch.zeros(m, 16)
+    for k0 in range(0, padded, 32):
+        even, odd = k0 + 2 * torch.arange(16), k0 + 2 * torch.arange(16) + 1
+        lanes = _ftz(lanes + xs[:, odd] * ws[odd])
+        lanes = _ftz(lanes + xs[:, even] * ws[even])
+    u = lanes[:, :8] + lanes[:, 8:]
+    t = u[:, :4] + u[:, 4:]
+    total = (t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3])
+    return _ftz(total).to(torch.bfloat16).unsqueeze(1)
+
+
+@pytest.mark.parametrize("k", [16, 33, 128, 2048, 3000])
+def test_the_gemv_kernel_is_its_description_on_cancelling_and_tiny_sums(k: int) -> None:
+    g = torch.Generator().manual_seed(k)
+    half = torch.randn(40, k // 2, generator=g) * torch.exp2(torch.randint(-12, 12, (40, k // 2), generator=g).float())
+    x = torch.cat([half, -half, torch.randn(40, k - 2 * (k // 2), generator=g)], dim=1)  # products cancel but for rounding
+    x = torch.cat([x, torch.randn(24, k, generator=g) * 1e-20]).to(torch.bfloat16)  # tiny sums: the flushes decide
+    w = (1 + torch.rand(1, k, generator=g)).to(torch.bfloat16)
+    order = LinearOrder.sequential(k, LinearKernel.GEMV16)
+    got = engine_kernels().linear(x, w, None, order.struct())
+    assert torch.equal(got.view(torch.int16), _reference(x, w).view(torch.int16))
+
+
+def test_the_gemv_family_is_one_order_and_refuses_another_lane_count() -> None:
+    assert candidate_orders(256, 2, LinearKernel.GEMV16) == [LinearOrder.sequential(256, LinearKernel.GEMV16)]
+    assert "1-wide GEMV" in LinearOrder.sequential(64, LinearKernel.GEMV16).describe()
+    with pytest.raises(Exception, match="gemv16 kernel is one block of all of K, bias last, 16 lanes"):
+        LinearOrder(LinearKernel.GEMV16, (1,), (1,), False, 8)
