@@ -98,6 +98,15 @@ def _compiled(model: Any, contract: EngineContract) -> tuple[Any, Any, Any]:
     return torch.compile(model, backend=backend), policy, backend
 
 
+def _refused(model: Any, ids: torch.Tensor, orders: LinearOrders, contract: EngineContract, pattern: str) -> None:
+    """A forward of ``model`` compiled under ``contract`` is refused with ``pattern`` in its error."""
+    compiled, policy, _ = _compiled(model, contract)
+    rows = torch.full(tuple(ids.shape), ids.shape[1], dtype=torch.int32)
+    with pytest.raises(Exception, match=pattern):
+        with torch.no_grad(), policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+            compiled(input_ids=ids, use_cache=False)
+
+
 @pytest.mark.needs_transformers
 def test_an_moe_decoder_runs_the_engines_router_and_experts_and_trains() -> None:
     from fx_precision.routes import MoeSpec, RouteTap
@@ -124,11 +133,7 @@ def test_a_contract_that_read_no_moe_kernel_refuses_the_experts_with_the_reason(
     model, ids, orders = _moe_model()
     why = "the engine's MoE is not of the form the contract follows: the portable (vec) fused experts"
     contract = EngineContract(attention=VEC, linears=orders, unmatched=(("moe", why),))
-    compiled, policy, _ = _compiled(model, contract)
-    rows = torch.full((1, 12), 12, dtype=torch.int32)
-    with pytest.raises(Exception, match=r"mixture-of-experts routing \(topk\).*portable \(vec\) fused experts.* at model.layers.0.mlp"):
-        with torch.no_grad(), policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
-            compiled(input_ids=ids, use_cache=False)
+    _refused(model, ids, orders, contract, r"mixture-of-experts routing \(topk\).*portable \(vec\) fused experts.* at model.layers.0.mlp")
 
 
 @pytest.mark.needs_transformers
@@ -151,11 +156,7 @@ def test_a_router_with_a_score_bias_is_refused() -> None:
         layer.mlp.gate.correction = torch.zeros(10)
         layer.mlp.gate.forward = types.MethodType(biased, layer.mlp.gate)
     contract = EngineContract(attention=VEC, linears=orders, moe=MoeKernel("vec", "silu", True, 10, 3))
-    compiled, policy, _ = _compiled(model, contract)
-    rows = torch.full((1, 12), 12, dtype=torch.int32)
-    with pytest.raises(Exception, match=r"the router at model.layers.0.mlp.gate computes its top-k from .*add"):
-        with torch.no_grad(), policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
-            compiled(input_ids=ids, use_cache=False)
+    _refused(model, ids, orders, contract, r"the router at model.layers.0.mlp.gate computes its top-k from .*add")
 
 
 @pytest.mark.needs_transformers

@@ -84,8 +84,9 @@ inline uint16_t bf16_trunc(float f) { return static_cast<uint16_t>(float_to_bits
 
 inline float bf16_value(uint16_t h) { return bits_to_float(static_cast<uint32_t>(h) << 16); }
 
-// The AVX-512 exp polynomial of the engine's CPU attention (range-reduced to 2^n * p(r), p of degree 5).
-inline float fast_exp512(float x) {
+// The AVX-512 exp polynomial of vLLM's CPU kernels (range-reduced to 2^n * p(r), p of degree 5), halved: e^x / 2. The
+// attention doubles it (fast_exp512); the fused experts double it inside an FMA (moe_silu_mul).
+inline float fast_exp512_half(float x) {
   const float log2e = bits_to_float(0x3fb8aa3bu);
   const float ln2 = bits_to_float(0x3f317218u);
   const float lo = bits_to_float(0xc2aeac50u);
@@ -103,8 +104,11 @@ inline float fast_exp512(float x) {
   p = std::fmaf(r, p, 1.0f);
   int32_t n = static_cast<int32_t>(std::nearbyint(fx - 1.0f));
   float two_n = underflow ? 0.0f : bits_to_float(static_cast<uint32_t>(n + 127) << 23);
-  return p * two_n * 2.0f;
+  return p * two_n;
 }
+
+// The engine's CPU attention exp: (p * 2^(n-1)) * 2, as its kernel multiplies.
+inline float fast_exp512(float x) { return fast_exp512_half(x) * 2.0f; }
 
 inline float engine_exp(float x, int exp_kind) {
   if (std::isinf(x) && x < 0) return 0.0f;
@@ -1162,26 +1166,8 @@ void linear_lanes(const uint16_t* x, const uint16_t* w, const float* bias, uint1
 
 namespace {
 
-// e^v / 2 by the engine's polynomial (its caller doubles it inside an FMA).
-inline float moe_exp_half(float v) {
-  const float log2e = bits_to_float(0x3fb8aa3bu), ln2 = bits_to_float(0x3f317218u);
-  const float lo = bits_to_float(0xc2aeac50u), hi = bits_to_float(0x42b17218u);
-  const bool underflow = v < lo;
-  float src = v < hi ? v : hi;
-  src = src > lo ? src : lo;
-  float fx = std::floor(std::fmaf(src, log2e, 0.5f));
-  float r = std::fmaf(-fx, ln2, src);
-  float p = std::fmaf(r, 0.00828929059f, 0.0418978221f);
-  p = std::fmaf(r, p, 0.166676521f);
-  p = std::fmaf(r, p, 0.499991506f);
-  p = std::fmaf(r, p, 0.999999701f);
-  p = std::fmaf(r, p, 1.0f);
-  const int32_t n = static_cast<int32_t>(std::nearbyint(fx - 1.0f));
-  return p * (underflow ? 0.0f : bits_to_float(static_cast<uint32_t>(n + 127) << 23));
-}
-
 inline float moe_silu_mul(float gate, float up) {
-  const float s = 1.0f / std::fmaf(moe_exp_half(-gate), 2.0f, 1.0f);
+  const float s = 1.0f / std::fmaf(fast_exp512_half(-gate), 2.0f, 1.0f);
   return (s * gate) * up;
 }
 

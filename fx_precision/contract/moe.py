@@ -165,7 +165,8 @@ def _(x, w13, w2, weights, ids):
 
 
 def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
-    """The same experts in plain fp32 torch math (the backward's, differentiable): sum_j w_j * down(SiLU(gate) * up)."""
+    """The same experts in plain fp32 torch math, differentiable: sum_j w_j * down(SiLU(gate) * up) (the reference the
+    tests hold the kernel and the written-out derivatives of fused_moe_backward to)."""
     tokens, k = ids.shape
     out = torch.zeros(tokens, x.shape[1], dtype=torch.float32, device=x.device)
     flat = ids.reshape(-1)

@@ -41,10 +41,6 @@ def _value(node: object) -> torch.Tensor | None:
     return value if isinstance(value, torch.Tensor) else None
 
 
-def _inputs(node: fx.Node) -> list[fx.Node]:
-    return list(node.all_input_nodes)
-
-
 def _parameter(node: fx.Node, params: set[fx.Node]) -> bool:
     """``node`` is a parameter, or a cast of one (the gather's, the policy's)."""
     while node not in params:
@@ -69,7 +65,7 @@ def experts_regions(gm: fx.GraphModule, params: set[fx.Node]) -> dict[str, list[
             continue
         region = sorted((n for p, ns in by_path.items() if p == path or p.startswith(path + ".") for n in ns), key=order.__getitem__)
         inside = set(region)
-        stacked = {a for n in region for a in _inputs(n) if a not in inside and (v := _value(a)) is not None
+        stacked = {a for n in region for a in n.all_input_nodes if a not in inside and (v := _value(a)) is not None
                    and v.dim() == 3 and v.is_floating_point() and _parameter(a, params)}  # fmt: skip
         leading = {_value(a).shape[0] for a in stacked}  # type: ignore[union-attr]
         if len(stacked) >= 2 and len(leading) == 1:
@@ -78,8 +74,8 @@ def experts_regions(gm: fx.GraphModule, params: set[fx.Node]) -> dict[str, list[
     return {p: r for p, r in found.items() if not any(q != p and q.startswith(p + ".") for q in found)}
 
 
-def _router_logits(ids: fx.Node, linears: set[fx.Node]) -> tuple[fx.Node, fx.Node]:
-    """The router's top-k node behind ``ids`` (its indices) and the router linear's output before it (``linears``: the
+def _router_logits(ids: fx.Node, linears: set[fx.Node]) -> fx.Node:
+    """The router linear's output behind ``ids`` (the indices of its top-k) (``linears``: the
     graph's linear outputs, however the model writes them; the linears rewrite later makes it the engine's GEMM)."""
     node = ids
     while node.op == "call_method" and node.target in ("to", "long", "reshape", "view"):
@@ -98,7 +94,7 @@ def _router_logits(ids: fx.Node, linears: set[fx.Node]) -> tuple[fx.Node, fx.Nod
         scores = scores.args[0]
     if not isinstance(scores, fx.Node):
         raise PrecisionError(f"the router at {module_path(topk) or '<root>'}: no router linear before its top-k")
-    return topk, scores
+    return scores
 
 
 def engine_moe(contract: EngineContract) -> RewriteFn:
@@ -126,7 +122,7 @@ def _rewrite_region(graph: fx.Graph, path: str, region: list[fx.Node], contract:
     moe = contract.moe
     assert moe is not None
     inside = set(region)
-    outside = list(dict.fromkeys(a for n in region for a in _inputs(n) if a not in inside))
+    outside = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
     values = {a: _value(a) for a in outside}
     stacked = [a for a in outside if (v := values[a]) is not None and v.dim() == 3 and v.is_floating_point() and _parameter(a, params)]
     if len(stacked) != 2:
@@ -155,7 +151,7 @@ def _rewrite_region(graph: fx.Graph, path: str, region: list[fx.Node], contract:
     if len(leaving) != 1:
         raise PrecisionError(f"the experts at {path}: {len(leaving)} values leave the module; the engine's fused experts make one")
     out = leaving[0]
-    _topk, logits = _router_logits(ids[0], linears)
+    logits = _router_logits(ids[0], linears)
     hidden_value = values[hidden[0]]
     out_dtype = hidden_value.dtype if hidden_value is not None else torch.bfloat16  # experts return at their input's dtype
 
