@@ -98,6 +98,15 @@ class TensorDiff:
     bitwise: bool
     band: str
     non_finite: str | None = None  # "a: 1 NaN (first at [0, 3]); b: none": why the band is non-finite
+    first_row: int | None = None  # the first row (all dimensions but the last flattened: a token) whose values differ
+
+
+def _first_row(x: torch.Tensor, y: torch.Tensor) -> int | None:
+    """The first row of two same-shaped tensors (every dimension but the last flattened) whose values differ."""
+    if x.dim() == 0:
+        return None if bool(torch.equal(x, y)) else 0
+    rows = (x.reshape(-1, x.shape[-1]) != y.reshape(-1, y.shape[-1])).any(dim=-1).nonzero()
+    return int(rows[0, 0]) if rows.numel() else None
 
 
 def _non_finite(t: torch.Tensor) -> tuple[torch.Tensor, str]:
@@ -123,7 +132,10 @@ def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
     if not (x.is_floating_point() and y.is_floating_point()):
         same = bool(torch.equal(x, y))
         band = "identical" if same else "severe"
-        return TensorDiff(**common, rel_diff=float(not same), max_abs=0.0, mean_abs=0.0, rel_diff_narrow=None, bitwise=same, band=band)
+        return TensorDiff(
+            **common, rel_diff=float(not same), max_abs=0.0, mean_abs=0.0, rel_diff_narrow=None, bitwise=same, band=band,
+            first_row=None if same else _first_row(x, y),
+        )  # fmt: skip
     mask_x, text_x = _non_finite(x)
     mask_y, text_y = _non_finite(y)
     if bool(mask_x.any()) or bool(mask_y.any()):
@@ -161,6 +173,7 @@ def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
         rel_diff_narrow=narrow,
         bitwise=bitwise,
         band=band_of(rel, same_values),
+        first_row=None if same_values else _first_row(x64, y64),
     )
 
 

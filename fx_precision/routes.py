@@ -13,7 +13,10 @@ MoE layer, the expert ids of every row); the training side reads its own with a 
     └── replay   routes each row the engine routed as the engine did: the indices are the engine's and the values
                  the router's own scores gathered there (the model's weighting, renormalisation and gradients stay
                  its own); rows the engine never computed keep the model's own routes
-    disagreement(engine, used)        per layer: of the rows both sides routed, the share routed to another set
+    disagreement(engine, used)        per layer: of the rows both sides routed, the share routed to another set, and per
+                                      sequence the first token routed otherwise (both sides' experts)
+    moe_origin(fqn, call, out, routes)   the comparator's first origin inside an MoE block: its router (the token the
+                                      routes part at, both sides' experts) or its experts (the token, routed alike)
 
 The ``topk`` is found by what it does (over the last dimension of [tokens, experts] scores, k the experts per token;
 a group top-k's scores are [tokens, groups, experts per group]), so every family transformers routes with a top-k
@@ -194,19 +197,75 @@ class RouteTap(TorchFunctionMode):
 
 
 def disagreement(spec: MoeSpec, engine: Sequence[torch.Tensor], used: Sequence[torch.Tensor]) -> list[dict[str, Any]]:
-    """Per MoE layer: of the rows both sides routed (the engine's known rows), how many went to another set of experts.
+    """Per MoE layer: of the rows both sides routed (the engine's known rows), how many went to another set of experts,
+    and per sequence the first such token with both sides' experts (``first``: None where every token went alike).
     ``engine``: per sequence [layers, T, top_k]; ``used``: per sequence [layers, T, top_k] as the training side routed."""
     out = []
     for layer, name in enumerate(spec.layers):
         rows = differ = 0
+        first: list[dict[str, Any] | None] = []
         for theirs, ours in zip(engine, used, strict=True):
             known = theirs[layer, :, 0] >= 0
-            a = theirs[layer][known].sort(dim=-1).values
-            b = ours[layer][known].sort(dim=-1).values
+            a = theirs[layer].sort(dim=-1).values
+            b = ours[layer].sort(dim=-1).values
+            parted = (a != b).any(dim=-1) & known
             rows += int(known.sum())
-            differ += int((a != b).any(dim=-1).sum())
-        out.append({"layer": name, "tokens": rows, "differ": differ, "share": differ / rows if rows else None})
+            differ += int(parted.sum())
+            at = parted.nonzero()
+            t = int(at[0, 0]) if at.numel() else None
+            first.append(None if t is None else {"token": t, "engine": a[t].tolist(), "train": b[t].tolist()})
+        out.append({"layer": name, "tokens": rows, "differ": differ, "share": differ / rows if rows else None, "first": first})
     return out
+
+
+def moe_origin(fqn: str, call: int, output: Any, routes: dict[str, Any]) -> dict[str, Any] | None:
+    """Where the comparator's first origin (``fqn``, ``call``: one sequence; ``output``: its worst output's TensorDiff)
+    lies inside an MoE block (the module holding one of the engine's MoE layers), which part parted and at which token:
+
+        the router     the origin is a module whose output is one score per expert, or the block itself with a token
+                       routed to other experts at or before its first differing row: that token, both sides' experts
+        the experts    the origin is the experts module, or the block itself with every token up to its first
+                       differing row routed alike: that row's token
+        <child>        another module of the block (a shared expert): its first differing row's token
+
+    None where the origin lies outside every MoE block."""
+    moe = routes.get("moe") or {}
+    layers = {str(r["layer"]): r for r in routes.get("layers") or []}
+    for experts in moe.get("layers") or []:
+        block = experts.rpartition(".")[0]
+        if fqn != block and not fqn.startswith(block + "."):
+            continue
+        row = getattr(output, "first_row", None)
+        first = (layers.get(experts) or {}).get("first") or []
+        parted = first[call] if 0 <= call < len(first) else None
+        shape = tuple(getattr(output, "shape_a", ()) or ())
+        found: dict[str, Any] = {"block": block, "layer": experts, "sequence": call}
+        if fqn == experts or fqn.startswith(experts + "."):
+            return {**found, "part": "experts", "token": row, "routed_alike": parted is None or (row is not None and parted["token"] > row)}
+        if fqn == block and parted is not None and (row is None or parted["token"] <= row):
+            return {**found, "part": "router", "token": parted["token"], "engine": parted["engine"], "train": parted["train"]}
+        if fqn == block and layers.get(experts) is not None:
+            return {**found, "part": "experts", "token": row, "routed_alike": True}
+        if fqn == block:
+            return {**found, "part": "router or experts", "token": row}
+        if shape and shape[-1] == moe.get("experts"):
+            return {**found, "part": "router", "token": row, "scores": True}
+        return {**found, "part": fqn[len(block) + 1 :], "token": row}
+    return None
+
+
+def moe_origin_line(origin: dict[str, Any]) -> str:
+    """compare's line naming an MoE origin (moe_origin)."""
+    where = f"{origin['block']}'s {origin['part']}, sequence {origin['sequence']} token {origin['token']}"
+    if origin["part"] == "router" and "engine" in origin:
+        return f"MoE origin: {where}: the engine routed it to experts {origin['engine']}, the training side to {origin['train']}"
+    if origin["part"] == "router":
+        return f"MoE origin: {where}: the router's scores part there"
+    if origin["part"] == "experts" and origin.get("routed_alike"):
+        return f"MoE origin: {where}: routed to the same experts on both sides, the experts' arithmetic parts"
+    if origin["part"] == "router or experts":
+        return f"MoE origin: {where} (the engine's routes were not recorded: which part is not known)"
+    return f"MoE origin: {where}"
 
 
 def routes_summary(routes: dict[str, Any]) -> str:

@@ -19,7 +19,10 @@
                                                      in process (eager: gathered_eagerly; compiled: the backend's casts)
     side.logits(tokens, rows)                        the same, its [B, T, V] logits
 
-Each rank of an FSDP2 run builds its own side from the same RunConfig.
+Each rank of an FSDP2 run builds its own side from the same RunConfig. Steps 1 to 5 hold the whole fp32 model on the
+rank until the shard frees it: the ranks take those steps one after another (``WHOLE_MODEL_UNTIL``), so the ranks' peak
+memory is one whole model and the others' shards, not one whole model per rank (at the Qwen3-30B-A3B shape's two
+layers, 7 GiB each).
 """
 
 from __future__ import annotations
@@ -269,14 +272,42 @@ STEPS: tuple[tuple[str, Callable[[TrainingSide], TrainingSide]], ...] = (
 )
 
 
+WHOLE_MODEL_UNTIL = "shard"  # from the first step to this one the rank holds the whole model: the ranks take them in turn
+
+
 def build_training_side(cfg: RunConfig, mesh: DeviceMesh | None = None) -> TrainingSide:
     """Run the steps (module docstring) in order; ``mesh``: FSDP2 over it (inside one of ``cfg.world_size`` gloo ranks),
     None: in process."""
     cfg.check()
     side = TrainingSide(cfg, mesh)
-    for _name, step in STEPS:
+    whole = [name for name, _ in STEPS].index(WHOLE_MODEL_UNTIL) + 1
+    with one_rank_at_a_time(mesh):
+        for _name, step in STEPS[:whole]:
+            side = step(side)
+    for _name, step in STEPS[whole:]:
         side = step(side)
     return side
+
+
+@contextlib.contextmanager
+def one_rank_at_a_time(mesh: DeviceMesh | None) -> Iterator[None]:
+    """The body runs on one rank of the process group after another (rank r after rank r - 1 left it): rank r waits at
+    r barriers before it, and at world - r after, so the i-th barrier opens when rank i is done. In process, or on one
+    rank: at once. A rank that fails inside stops its peers' next barrier (gloo names the peer that closed)."""
+    import torch.distributed as dist
+
+    if mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
+        yield
+        return
+    rank, world = dist.get_rank(), dist.get_world_size()
+    for _ in range(rank):
+        dist.barrier()
+    yield
+    import gc
+
+    gc.collect()  # the whole model's tensors the shard replaced: gone before the next rank loads its own
+    for _ in range(world - rank):
+        dist.barrier()
 
 
 @contextlib.contextmanager

@@ -141,6 +141,47 @@ def test_disagreement_counts_rows_routed_to_another_set() -> None:
     rows = disagreement(spec, engine, used)
     assert [(r["layer"], r["tokens"], r["differ"]) for r in rows] == [("l0", 2, 1), ("l1", 2, 0)]
     assert rows[0]["share"] == 0.5
+    assert rows[0]["first"] == [{"token": 1, "engine": [3, 4], "train": [3, 5]}]  # row 2: the engine never routed it
+    assert rows[1]["first"] == [None]
+
+
+def _output(fqn: str, a: torch.Tensor, b: torch.Tensor) -> Any:
+    """A call's output on both sides, as the comparator judges it."""
+    from fx_precision.compare import tensor_diff
+    from fx_precision.dump import Record
+
+    return tensor_diff(*(Record(fqn, 1, "out", "out", "bf16", tuple(t.shape), t) for t in (a, b)))
+
+
+def test_an_origin_inside_an_moe_block_names_the_router_or_the_experts_and_the_token() -> None:
+    from fx_precision.routes import moe_origin, moe_origin_line
+
+    hidden = torch.zeros(1, 6, 4)
+    parted = hidden.clone()
+    parted[0, 4, 2] = 1.0  # the block's output first differs at token 4
+    first = [None, {"token": 2, "engine": [1, 3], "train": [1, 5]}]  # sequence 1: token 2 routed otherwise
+    layers = [{"layer": "m.layers.0.mlp.experts", "first": [None, None]}, {"layer": "m.layers.1.mlp.experts", "first": first}]
+    routes = {"moe": {"layers": ["m.layers.0.mlp.experts", "m.layers.1.mlp.experts"], "experts": 8, "top_k": 2}, "layers": layers}
+    block = _output("m.layers.1.mlp", hidden, parted)
+    assert block.first_row == 4
+    router = moe_origin("m.layers.1.mlp", 1, block, routes)
+    assert router is not None and (router["part"], router["token"], router["engine"], router["train"]) == ("router", 2, [1, 3], [1, 5])
+    assert "router, sequence 1 token 2: the engine routed it to experts [1, 3], the training side to [1, 5]" in moe_origin_line(router)
+    alike = moe_origin("m.layers.0.mlp", 1, _output("m.layers.0.mlp", hidden, parted), routes)
+    assert alike is not None and (alike["part"], alike["token"], alike["routed_alike"]) == ("experts", 4, True)
+    assert "experts, sequence 1 token 4: routed to the same experts" in moe_origin_line(alike)
+    experts = moe_origin("m.layers.0.mlp.experts", 1, _output("m.layers.0.mlp.experts", hidden, parted), routes)
+    assert experts is not None and (experts["part"], experts["token"]) == ("experts", 4)
+    scores = torch.zeros(6, 8)
+    other = scores.clone()
+    other[3, 7] = 0.5
+    gate = moe_origin("m.layers.0.mlp.gate", 1, _output("m.layers.0.mlp.gate", scores, other), routes)
+    assert gate is not None and (gate["part"], gate["token"]) == ("router", 3)  # one score per expert: the router
+    shared = moe_origin("m.layers.0.mlp.shared_expert", 1, _output("m.layers.0.mlp.shared_expert", hidden, parted), routes)
+    assert shared is not None and (shared["part"], shared["token"]) == ("shared_expert", 4)
+    assert moe_origin("m.layers.0.self_attn", 1, _output("m.layers.0.self_attn", hidden, parted), routes) is None
+    unrecorded = moe_origin("m.layers.0.mlp", 1, block, {"moe": routes["moe"], "layers": None})
+    assert unrecorded is not None and unrecorded["part"] == "router or experts"
 
 
 def test_the_contract_is_refused_on_an_moe_engine_with_replay_offered() -> None:

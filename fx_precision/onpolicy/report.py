@@ -33,6 +33,19 @@ def summary_line(run: OnPolicyRun) -> str:
     )
 
 
+def origin_line(run: OnPolicyRun) -> str | None:
+    """Strict mode with --modules: where the step it stopped at parts (the comparator's first origin, its op, and inside
+    an MoE block the part and token), or None where none was named."""
+    origin = run.origin
+    if not origin:
+        return None
+    from fx_precision.routes import moe_origin_line
+
+    op = f" ({origin['op']}: {origin['explanation']})" if origin.get("op") else ""
+    line = f"first origin: {origin.get('module') or 'none found'}{op}"
+    return line + (f"\n{moe_origin_line(origin['moe'])}" if origin.get("moe") else "")
+
+
 def check_plot_path(file: str | Path) -> Path:
     """A plot is a PNG in a directory that exists: refused before the run that would draw it (nothing is created)."""
     if Path(file).suffix.lower() != ".png":

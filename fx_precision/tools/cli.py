@@ -521,7 +521,7 @@ def _given(args: argparse.Namespace, parser_defaults: dict[str, Any], names: Seq
 def cmd_compare(args: argparse.Namespace) -> int:
     from fx_precision.compare import compare, gate
     from fx_precision.dump import is_engine_dump
-    from fx_precision.routes import routes_summary
+    from fx_precision.routes import moe_origin, moe_origin_line, routes_summary
     from fx_precision.tools.compare_sides import describe
 
     if args.dumps and len(args.dumps) != 2:
@@ -559,6 +559,11 @@ def cmd_compare(args: argparse.Namespace) -> int:
     if sides.routes is not None:
         data["routes"] = sides.routes
         head += "\n" + routes_summary(sides.routes)
+        origin = result.first_origin
+        named = moe_origin(origin.fqn, origin.call, origin.worst_output, sides.routes) if origin is not None else None
+        if named is not None:
+            data["moe_origin"] = named
+            head += "\n" + moe_origin_line(named)
     if args.contract:
         data["contract"] = getattr(b, "contract", None)
         data["contract_notes"] = notes
@@ -818,7 +823,7 @@ def _rollout_parser(sub: Any) -> None:
 def cmd_onpolicy(args: argparse.Namespace) -> int:
     from fx_precision.engines.prompts import read_prompts
     from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
-    from fx_precision.onpolicy.report import check_plot_path, plot, summary_line, table
+    from fx_precision.onpolicy.report import check_plot_path, origin_line, plot, summary_line, table
 
     if args.plot is not None:
         check_plot_path(args.plot)
@@ -837,7 +842,8 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
         name_first_origin(run, contract=cfg.contract == "vllm")
     if args.plot is not None:
         plot([(f"--contract {cfg.contract}", run)], args.plot)
-    _emit(args, run.to_dict(), lambda: f"{table(run)}\n{summary_line(run)}" + (f"\nstopped: {run.stopped}" if run.stopped else ""))
+    stop = (f"\nstopped: {run.stopped}" if run.stopped else "") + (f"\n{origin_line(run)}" if origin_line(run) else "")
+    _emit(args, run.to_dict(), lambda: f"{table(run)}\n{summary_line(run)}{stop}")
     return 1 if run.stopped else 0
 
 

@@ -201,11 +201,14 @@ def first_origin(checkpoint: str, rollout: str, *, contract: bool) -> dict[str, 
     dump that holds module records: the comparator's first origin module and its first differing op (what the
     on-policy loop's strict mode reports on the step it stopped at)."""
     from fx_precision.compare import compare
+    from fx_precision.routes import moe_origin
 
     run = against_engine_dump(rollout, RunConfig(checkpoint, policy=PolicyFlags()), follow=contract)
     result = compare(run.train, run.engine)
     origin, op = result.first_origin, result.first_op
-    return {"module": origin.fqn if origin else None, "op": op.op_a if op else None, "explanation": op.explanation if op else None}
+    moe = moe_origin(origin.fqn, origin.call, origin.worst_output, run.train.routes) if origin and run.train.routes else None
+    return {"module": origin.fqn if origin else None, "op": op.op_a if op else None, "explanation": op.explanation if op else None,
+            "moe": moe}  # fmt: skip
 
 
 def name_first_origin(run: Any, *, contract: bool) -> None:

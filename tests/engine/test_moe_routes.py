@@ -142,6 +142,42 @@ def test_a_form_the_contract_does_not_follow_is_refused_up_front_and_replay_offe
     assert "Loading weights" not in done.stderr and "Traceback" not in done.stderr
 
 
+def test_the_comparator_names_the_router_or_the_experts_and_the_token_an_moe_block_parts_at(
+        rollouts: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:  # fmt: skip
+    """The engine's module records, bitwise under the contract, then one of its MoE block outputs changed at one token
+    (an expert kernel that parts there), and then also its routes of that layer (a router that parts): the comparator's
+    first origin is the block, named as its experts at that token, then as its router at the first token routed
+    otherwise, with both sides' experts."""
+    import shutil
+
+    import torch
+
+    checkpoint = rollouts["qwen3-moe"][0]
+    dump = tmp_path / "modules"
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "11,40", "--samples", "2", "--max-tokens", "4", "--temperature", "1.0",
+        "--modules", "--out", str(dump))  # fmt: skip
+    clean = compare((checkpoint, dump), "--contract", "vllm")
+    assert clean["logprob"]["bitwise_share"] == 1.0 and clean["first_origin"] is None and "moe_origin" not in clean
+    experts, router = tmp_path / "experts", tmp_path / "router"
+    shutil.copytree(dump, experts)
+    manifest = json.loads((experts / "manifest.json").read_text())
+    out = next(r for r in manifest["records"] if (r["fqn"], r["call"], r["io"]) == ("model.layers.1.mlp", 1, "out"))
+    values = torch.load(experts / out["file"], weights_only=True)
+    values[0, 5, 3] = values[0, 5, 3] * 1.5 + 0.01
+    torch.save(values, experts / out["file"])
+    named = compare((checkpoint, experts), "--contract", "vllm")["moe_origin"]
+    assert (named["block"], named["part"], named["sequence"], named["token"], named["routed_alike"]) == (
+        "model.layers.1.mlp", "experts", 1, 5, True)  # fmt: skip
+    shutil.copytree(experts, router)
+    experts_count = manifest["engine"]["moe"]["experts"]
+    for step in manifest["engine"]["routes"]:  # layer 1's every route moved one expert on: token 0 parts first
+        step[1] = [[(e + 1) % experts_count for e in row] for row in step[1]]
+    (router / "manifest.json").write_text(json.dumps(manifest))
+    named = compare((checkpoint, router), "--contract", "vllm")["moe_origin"]
+    assert (named["block"], named["part"], named["sequence"], named["token"]) == ("model.layers.1.mlp", "router", 1, 0)
+    assert named["engine"] == sorted((e + 1) % experts_count for e in named["train"])
+
+
 def test_onpolicy_under_the_contract_and_with_replay(rollouts: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:
     checkpoint = rollouts["qwen3-moe"][0]
     common = ["onpolicy", "--model", str(checkpoint), "--samples", "2", "--max-tokens", "4", "--prompt-lens", "9,14", "--steps", "2",
