@@ -63,6 +63,45 @@ def test_the_fused_experts_give_the_same_bits_on_any_thread_count_and_are_the_ex
         engine_kernels().fused_moe(x, w13, w2, weights, ids + 8)
 
 
+def _sequential(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [T, H] @ w [N, H].T as one fp32 chain per output in H order (bf16 products are exact in fp32: an FMA chain)."""
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for k in range(x.shape[1]):
+        acc = acc + x[:, k : k + 1].float() * w[:, k].float()
+    return acc
+
+
+def _truncated(t: torch.Tensor) -> torch.Tensor:
+    return (t.view(torch.int32) & ~0xFFFF).view(torch.float32)
+
+
+@pytest.mark.skipif(engine_kernels().sleef_expf8 is None, reason="this torch exports no Sleef_expf8_u10 (not an x86 build)")
+def test_the_avx2_builds_form_is_sleefs_exp_truncated_stores_and_multiply_adds() -> None:
+    """vLLM's _C_AVX2 experts: SiLU through SLEEF's expf (torch.exp's own on x86), 1 / (1 + e), stores truncated, the slots
+    summed as y * w then +. Each expert's down projection is the identity, so the output is the slots' activations
+    weighted: every bit is checked against torch arithmetic in that order."""
+    g = torch.Generator().manual_seed(3)
+    tokens, hidden, k = 512, 32, 3
+    x = torch.randn(tokens, hidden, generator=g).to(BF16)
+    w13 = (torch.randn(k, 2 * hidden, hidden, generator=g) * 0.75).to(BF16)
+    w2 = torch.eye(hidden, dtype=BF16).expand(k, hidden, hidden).contiguous()
+    ids = torch.arange(k).repeat(tokens, 1)
+    weights = torch.rand(tokens, k, generator=g).to(BF16).float()
+    acts = []
+    for e in range(k):
+        gate, up = _sequential(x, w13[e]).chunk(2, dim=-1)
+        acts.append(_truncated(((1 / (1 + torch.exp(-gate))) * gate) * up))
+    want = acts[0] * weights[:, :1]
+    for j in range(1, k):
+        want = want + acts[j] * weights[:, j : j + 1]
+    got = engine_kernels().fused_moe(x, w13, w2, weights, ids, exp="sleef", store="truncate", combine="mul+add")
+    assert torch.equal(got.float(), _truncated(want))
+    rounded = engine_kernels().fused_moe(x, w13, w2, weights, ids)  # the _C build's form: nearest-even stores, FMAs
+    assert not torch.equal(rounded, got)
+    with pytest.raises(PrecisionError, match=r"store='half-up', one of nearest-even, truncate"):
+        engine_kernels().fused_moe(x, w13, w2, weights, ids, store="half-up")
+
+
 def test_the_ops_differentiate_as_plain_experts_math() -> None:
     x, w13, w2, _, _ = _experts(12, 64, 32, 6, 2, seed=2)
     logits = torch.randn(12, 6).to(BF16).requires_grad_(True)

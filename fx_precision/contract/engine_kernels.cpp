@@ -1171,7 +1171,35 @@ inline float moe_silu_mul(float gate, float up) {
   return (s * gate) * up;
 }
 
+// The fused experts' forms by kernel build (vLLM's _C, _C_AVX512, _C_AVX2), bits of ``form``:
+//   MOE_EXP_SLEEF     SiLU's exp is SLEEF's Sleef_expf8_u10 (the AVX2 build links torch's), 1 / (1 + e), else the
+//                     AVX-512 polynomial inside an FMA (moe_silu_mul)
+//   MOE_STORE_TRUNC   bf16 stores truncate (a build without AVX-512 BF16), else round to nearest even after FTZ
+//   MOE_COMBINE_MUL_ADD  the slots combine as y * w then + (no FMA in the build), else FMAs
+constexpr int64_t MOE_EXP_SLEEF = 1, MOE_STORE_TRUNC = 2, MOE_COMBINE_MUL_ADD = 4;
+using SleefExpf8 = __m256 (*)(__m256);
+SleefExpf8 g_sleef_expf8 = nullptr;  // torch's Sleef_expf8_u10 (fxp_set_sleef_expf8), the one the engine's build calls
+
+__attribute__((target("avx2,fma"))) void sleef_exp16(const float* in, float* out) {
+  for (int h = 0; h < 16; h += 8) _mm256_storeu_ps(out + h, g_sleef_expf8(_mm256_loadu_ps(in + h)));
+}
+
+inline uint16_t moe_store(float v, int64_t form) { return form & MOE_STORE_TRUNC ? bf16_trunc(v) : bf16_rne(ftz(v)); }
+
+// act[m] = bf16 of SiLU(gate[m]) * up[m] for 16 lanes, in the form's arithmetic.
+inline void moe_activation16(const float* gate, const float* up, float* act, int64_t form) {
+  if (!(form & MOE_EXP_SLEEF)) {
+    for (int m = 0; m < 16; ++m) act[m] = bf16_value(moe_store(moe_silu_mul(gate[m], up[m]), form));
+    return;
+  }
+  float neg[16], e[16];
+  for (int m = 0; m < 16; ++m) neg[m] = -gate[m];
+  sleef_exp16(neg, e);
+  for (int m = 0; m < 16; ++m) act[m] = bf16_value(moe_store(((1.0f / (1.0f + e[m])) * gate[m]) * up[m], form));
+}
+
 constexpr int kMoeLanes = 16;  // tokens of one expert computed side by side (each its own chain)
+static_assert(kMoeLanes == 16, "moe_activation16 takes one block's 16 lanes");
 
 // acc[n * 16 + m] = sum_k xt[k * 16 + m] * w[n * K + k], one FMA chain per (n, m) in k order, from 0.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
@@ -1334,8 +1362,11 @@ void fxp_product_fold(const uint16_t* x, const uint16_t* w, const float* bias, u
 
 // y [T, H] = the engine's fused experts of x [T, H] (bf16 bits): w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
 // topk weights [T, K] fp32 and ids [T, K] int64 (each in [0, E): the caller checks). See moe_chains.
+// form: MOE_* bits (moe_activation16); a SLEEF form needs fxp_set_sleef_expf8 first.
+void fxp_set_sleef_expf8(void* fn) { g_sleef_expf8 = reinterpret_cast<SleefExpf8>(fn); }
+
 void fxp_fused_moe(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const float* tw, const int64_t* ids, uint16_t* out,
-                   int64_t T, int64_t H, int64_t I, int64_t K, int64_t E, int64_t threads) {
+                   int64_t T, int64_t H, int64_t I, int64_t K, int64_t E, int64_t threads, int64_t form) {
   std::vector<int64_t> count(E + 1, 0), pairs(T * K);
   for (int64_t i = 0; i < T * K; ++i) count[ids[i] + 1] += 1;
   for (int64_t e = 0; e < E; ++e) count[e + 1] += count[e];
@@ -1356,8 +1387,7 @@ void fxp_fused_moe(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, c
       }
       moe_chains(xt.data(), w13 + e * 2 * I * H, 2 * I, H, gu.data());
       for (int64_t i = 0; i < I; ++i)
-        for (int m = 0; m < kMoeLanes; ++m)
-          act[i * kMoeLanes + m] = bf16_value(bf16_rne(ftz(moe_silu_mul(gu[i * kMoeLanes + m], gu[(I + i) * kMoeLanes + m]))));
+        moe_activation16(gu.data() + i * kMoeLanes, gu.data() + (I + i) * kMoeLanes, act.data() + i * kMoeLanes, form);
       moe_chains(act.data(), w2 + e * H * I, H, I, down.data());
       for (int64_t m = 0; m < n; ++m) {
         float* dst = y.data() + pairs[first + m] * H;
@@ -1369,8 +1399,9 @@ void fxp_fused_moe(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, c
     for (int64_t t = begin; t < end; ++t) {
       for (int64_t h = 0; h < H; ++h) {
         float s = y[(t * K) * H + h] * tw[t * K];
-        for (int64_t j = 1; j < K; ++j) s = std::fmaf(y[(t * K + j) * H + h], tw[t * K + j], s);
-        out[t * H + h] = bf16_rne(ftz(s));
+        for (int64_t j = 1; j < K; ++j)
+          s = form & MOE_COMBINE_MUL_ADD ? s + y[(t * K + j) * H + h] * tw[t * K + j] : std::fmaf(y[(t * K + j) * H + h], tw[t * K + j], s);
+        out[t * H + h] = moe_store(s, form);
       }
     }
   });

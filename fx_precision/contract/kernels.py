@@ -26,6 +26,7 @@ import subprocess
 import tempfile
 import threading
 from pathlib import Path
+from typing import ClassVar
 
 import torch
 
@@ -37,6 +38,19 @@ _BUILD_LOCK = threading.Lock()
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
+
+
+def _sleef_expf8() -> int | None:
+    """The address of torch's own ``Sleef_expf8_u10`` (SLEEF's 8-lane exp, which vLLM's AVX2 kernel build calls and
+    resolves to this very function of libtorch_cpu), or None where this torch has none (not an x86 build)."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not library.exists() or not torch.cpu._is_avx2_supported():
+        return None
+    try:
+        address = ctypes.cast(ctypes.CDLL(str(library)).Sleef_expf8_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return int(address) if address else None
 
 
 def _cache_dir() -> Path:
@@ -148,8 +162,13 @@ class EngineKernels:
         lib.fxp_chunk_dots_emulated.restype = None
         lib.fxp_product_fold.argtypes = [_P, _P, _P, _P, _I64, _I64, ctypes.POINTER(LinearOrderStruct)]
         lib.fxp_product_fold.restype = None
-        lib.fxp_fused_moe.argtypes = [_P] * 6 + [_I64] * 6
+        lib.fxp_fused_moe.argtypes = [_P] * 6 + [_I64] * 7
         lib.fxp_fused_moe.restype = None
+        lib.fxp_set_sleef_expf8.argtypes = [_P]
+        lib.fxp_set_sleef_expf8.restype = None
+        self.sleef_expf8 = _sleef_expf8()
+        if self.sleef_expf8 is not None:
+            lib.fxp_set_sleef_expf8(self.sleef_expf8)
         lib.fxp_set_vector_path.argtypes = [_INT]
         lib.fxp_set_vector_path.restype = None
         lib.fxp_cpu_has_amx.restype = _INT
@@ -265,10 +284,23 @@ class EngineKernels:
             )  # fmt: skip
         return out
 
-    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {
+        "exp": {"fast512": 0, "sleef": 1}, "store": {"nearest-even": 0, "truncate": 2}, "combine": {"fma": 0, "mul+add": 4}
+    }  # fmt: skip
+
+    def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                  exp: str = "fast512", store: str = "nearest-even", combine: str = "fma") -> torch.Tensor:  # fmt: skip
         """The engine's fused experts (engine_kernels.cpp, fxp_fused_moe): x [T, H], w13 [E, 2I, H] (gate rows, then up
         rows), w2 [E, H, I] bf16; the routes' weights [T, K] (fp32) and expert ids [T, K]; out [T, H] bf16, whatever
-        this process's thread count."""
+        this process's thread count. ``exp``, ``store``, ``combine``: the form of the engine's kernel build (MOE_FORMS;
+        contract/moe.py)."""
+        form = 0
+        for name, value in (("exp", exp), ("store", store), ("combine", combine)):
+            if value not in self.MOE_FORMS[name]:
+                raise PrecisionError(f"engine fused experts: {name}={value!r}, one of {', '.join(self.MOE_FORMS[name])}")
+            form |= self.MOE_FORMS[name][value]
+        if exp == "sleef" and self.sleef_expf8 is None:
+            raise PrecisionError("engine fused experts with SLEEF's exp: this torch exports no Sleef_expf8_u10 (an x86 build has it)")
         if any(t.dtype != torch.bfloat16 for t in (x, w13, w2)) or x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
             raise PrecisionError(
                 f"engine fused experts take bf16 x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {x.dtype} {tuple(x.shape)}, "
@@ -289,7 +321,7 @@ class EngineKernels:
         out = torch.empty((T, H), dtype=torch.bfloat16)
         if T:
             self.lib.fxp_fused_moe(x.data_ptr(), w13.data_ptr(), w2.data_ptr(), w32.data_ptr(), ids64.data_ptr(), out.data_ptr(), T, H,
-                                   two_i // 2, ids.shape[1], E, torch.get_num_threads())  # fmt: skip
+                                   two_i // 2, ids.shape[1], E, torch.get_num_threads(), form)  # fmt: skip
         return out
 
     def chunk_dots(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:

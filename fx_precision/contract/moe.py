@@ -11,10 +11,10 @@
                   softmax stay the engine's)
         backward  the router's derivative in fp32, written out (moe_route_backward): softmax's over the chosen logits, or
                   exp(logit - logsumexp)'s over all of them
-    fxp_engine::fused_moe(x, w13, w2, weights, ids) -> bf16
+    fxp_engine::fused_moe(x, w13, w2, weights, ids, exp, store, combine) -> bf16
         forward   engine_kernels.cpp ``fxp_fused_moe``: per token and slot the gate and up FMA chains over H, SiLU(gate)
-                  * up with the engine's exp rounded to bf16, the down chain over I, and the slots combined in top-k
-                  order (y0 * w0, then FMAs), rounded once
+                  * up with the build's exp stored to bf16, the down chain over I, and the slots combined in top-k
+                  order (y0 * w0, then FMAs or multiply-adds), stored once (nearest even, or truncated)
         backward  plain fp32 experts math recomputed, its derivatives written out per expert (fused_moe_backward): of x,
                   w13, w2 and the weights (ops of their own: AOTAutograd traces backwards with fake tensors)
 
@@ -33,11 +33,16 @@ from fx_precision.errors import PrecisionError
 
 KERNELS = ("vec",)  # vLLM's portable CPU fused experts; its AMX kernel ("amx") sums in other blocks: not followed
 ACTIVATIONS = ("silu",)
+EXPS = ("fast512", "sleef")  # SiLU's exp: the AVX-512 polynomial (the AVX-512 builds), SLEEF's expf (the AVX2 build)
+STORES = ("nearest-even", "truncate")  # bf16 stores: VCVTNEPS2BF16 (AVX-512 BF16), or the upper half (builds without)
+COMBINES = ("fma", "mul+add")  # the slots' weighted sum: FMAs, or multiply then add (a build without FMA contraction)
 
 
 @dataclass(frozen=True)
 class MoeKernel:
-    """The engine's mixture-of-experts arithmetic (module docstring)."""
+    """The engine's mixture-of-experts arithmetic (module docstring); ``exp``, ``store``, ``combine``: the form of the
+    kernel build the engine loaded, as the probe told them apart (vLLM's _C: fast512, nearest-even, fma; _C_AVX512:
+    fast512, truncate, fma; _C_AVX2: sleef, truncate, mul+add)."""
 
     kernel: str = "vec"
     activation: str = "silu"
@@ -45,12 +50,14 @@ class MoeKernel:
     experts: int = 1
     top_k: int = 1
     details: dict[str, Any] = field(default_factory=dict, compare=False)  # what the probe compared
+    exp: str = "fast512"
+    store: str = "nearest-even"
+    combine: str = "fma"
 
     def __post_init__(self) -> None:
-        if self.kernel not in KERNELS:
-            raise PrecisionError(f"MoeKernel.kernel={self.kernel!r}: one of {', '.join(KERNELS)}")
-        if self.activation not in ACTIVATIONS:
-            raise PrecisionError(f"MoeKernel.activation={self.activation!r}: one of {', '.join(ACTIVATIONS)}")
+        for name, allowed in (("kernel", KERNELS), ("activation", ACTIVATIONS), ("exp", EXPS), ("store", STORES), ("combine", COMBINES)):
+            if getattr(self, name) not in allowed:
+                raise PrecisionError(f"MoeKernel.{name}={getattr(self, name)!r}: one of {', '.join(allowed)}")
         if not isinstance(self.renormalize, bool):
             raise PrecisionError(f"MoeKernel.renormalize={self.renormalize!r}: true or false")
         for name in ("experts", "top_k"):
@@ -62,20 +69,23 @@ class MoeKernel:
 
     def describe(self) -> str:
         norm = "renormalised" if self.renormalize else "exp(logit - logsumexp)"
-        return f"{self.top_k} of {self.experts}, top-k of the bf16 logits, {norm}; {self.kernel} fused experts, {self.activation}"
+        form = f"{self.exp} exp, {self.store} store, {self.combine} combine"
+        return f"{self.top_k} of {self.experts}, top-k of the bf16 logits, {norm}; {self.kernel} fused experts ({form}), {self.activation}"
 
     def to_dict(self) -> dict[str, Any]:
         return {"kernel": self.kernel, "activation": self.activation, "renormalize": self.renormalize, "experts": self.experts,
-                "top_k": self.top_k, "details": dict(self.details)}  # fmt: skip
+                "top_k": self.top_k, "exp": self.exp, "store": self.store, "combine": self.combine,
+                "details": dict(self.details)}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: Any) -> MoeKernel:
         names = ("kernel", "activation", "renormalize", "experts", "top_k", "details")
-        if not isinstance(data, dict) or set(data) != set(names):
-            raise PrecisionError(f"contract.moe: a JSON object of {', '.join(names)}, got {data!r}"[:300])
+        forms = ("exp", "store", "combine")  # a dump written before the probe told the builds apart: the _C form
+        if not isinstance(data, dict) or not set(names) <= set(data) or not set(data) <= set(names + forms):
+            raise PrecisionError(f"contract.moe: a JSON object of {', '.join(names + forms)}, got {data!r}"[:300])
         if not isinstance(data["details"], dict):
             raise PrecisionError("contract.moe.details: a JSON object")
-        return cls(**{n: data[n] for n in names})
+        return cls(**{n: data[n] for n in names + forms if n in data})
 
 
 def engine_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,14 +163,15 @@ moe_route.register_autograd(_route_backward, setup_context=_route_setup)
 
 
 @torch.library.custom_op("fxp_engine::fused_moe", mutates_args=())
-def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+def fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exp: str = "fast512",
+              store: str = "nearest-even", combine: str = "fma") -> torch.Tensor:  # fmt: skip
     from fx_precision.contract.kernels import engine_kernels
 
-    return engine_kernels().fused_moe(x, w13, w2, weights, ids).to(x.device)
+    return engine_kernels().fused_moe(x, w13, w2, weights, ids, exp, store, combine).to(x.device)
 
 
 @fused_moe.register_fake
-def _(x, w13, w2, weights, ids):
+def _(x, w13, w2, weights, ids, exp="fast512", store="nearest-even", combine="fma"):
     return x.new_empty(x.shape, dtype=torch.bfloat16)
 
 
@@ -181,7 +192,7 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
 
 
 def _moe_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    ctx.save_for_backward(*inputs)
+    ctx.save_for_backward(*inputs[:5])  # the tensors; the form's strings change the forward's roundings, not its derivative
 
 
 @torch.library.custom_op("fxp_engine::fused_moe_backward", mutates_args=())
@@ -220,7 +231,7 @@ def _(grad, x, w13, w2, weights, ids):
 
 def _moe_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
     x, w13, w2, weights, ids = ctx.saved_tensors
-    return (*fused_moe_backward(grad, x, w13, w2, weights, ids), None)
+    return (*fused_moe_backward(grad, x, w13, w2, weights, ids), None, None, None, None)
 
 
 fused_moe.register_autograd(_moe_backward, setup_context=_moe_setup)

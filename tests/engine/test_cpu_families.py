@@ -7,7 +7,8 @@
 
 For each: the rollout (prompts as short as the family's engine survives, and across KV blocks) probes every op class
 and matches it, and the training side is bitwise on every prompt and sampled log-prob, eager and compiled on 2 FSDP2
-ranks. A family this CPU lacks the instructions of is skipped, naming them. Then: a probe that cannot run takes
+ranks; an MoE model's fused experts in the form of the family's kernel build. A family this CPU lacks the
+instructions of is skipped, naming them. Then: a probe that cannot run takes
 nothing down (the rollout, its dump and the as-is comparison complete, the contract refuses that op class in one line).
 """
 
@@ -110,3 +111,35 @@ def test_a_probe_that_cannot_run_takes_nothing_down(checkpoint: Path, tmp_path: 
     refused = run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--contract", "vllm", check=False)
     last = refused.stderr.strip().splitlines()[-1]
     assert refused.returncode == 2 and "linears" in last and "could not run here" in last and "Traceback" not in refused.stderr
+
+
+MOE_FORMS = {CpuFamily.AVX512_BF16: ("fast512", "nearest-even", "fma"), CpuFamily.AVX512: ("fast512", "truncate", "fma"),
+             CpuFamily.AVX2: ("sleef", "truncate", "mul+add")}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(CpuFamily), ids=str)
+def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFamily, tmp_path: Path) -> None:
+    """vLLM's fused experts are one source built per family (contract/moe.py: its exp, its bf16 stores, its combine): the
+    probe tells the build apart and the contract is bitwise on each; the AMX experts kernel is refused with replay."""
+    _runnable(family)
+    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 96,
+              "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 32,
+              "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
+              "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 40, "num_experts": 11,
+              "num_experts_per_tok": 4, "norm_topk_prob": True, "torch_dtype": "bfloat16"}  # fmt: skip
+    (tmp_path / "moe.json").write_text(json.dumps(config))
+    checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
+    run("checkpoint", "--config", str(tmp_path / "moe.json"), "--layers", "2", "--out", str(checkpoint))
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "7,90", "--samples", "2", "--max-tokens", "5", "--temperature", "1.0",
+        "--isa", str(family), "--out", str(dump))  # fmt: skip
+    moe = load_dump(str(dump)).contract["moe"]
+    if family == CpuFamily.AMX:
+        assert moe is None
+        done = run("compare", "--model", str(checkpoint), "--rollout", str(dump), "--contract", "vllm", check=False)
+        assert done.returncode == 2 and "--replay-routes" in done.stderr.strip().splitlines()[-1]
+        return
+    assert (moe["exp"], moe["store"], moe["combine"]) == MOE_FORMS[family], moe
+    report = compare(checkpoint, dump, "--contract", "vllm")
+    lp = report["logprob"]
+    assert lp["bitwise_share"] == 1.0 and lp["tokens"] == 2 * (7 + 90 + 2 * 4), lp
+    assert [layer["differ"] for layer in report["routes"]["layers"]] == [0, 0]

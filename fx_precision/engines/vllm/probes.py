@@ -166,8 +166,6 @@ def repack_experts(model: Any) -> int:
 def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]:
     """The engine's router and fused experts against the contract's (contract/moe.py), bit for bit, on random inputs at
     the model's sizes: (MoeKernel, evidence), or (None, evidence saying which form is not followed)."""
-    from vllm import _custom_ops as ops
-
     from fx_precision.contract.evidence import CandidateEvidence
     from fx_precision.contract.kernels import engine_kernels
     from fx_precision.contract.moe import MoeKernel, engine_route
@@ -210,16 +208,70 @@ def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]
     e13[:, :inter], e13[:, padded : padded + inter] = w13[:, :inter], w13[:, inter:]
     e2 = torch.zeros(experts, hidden, padded, dtype=torch.bfloat16)
     e2[:, :, :inter] = w2
-    out = torch.empty(tokens, hidden, dtype=torch.bfloat16)
-    ops.cpu_fused_moe(out, x, ops.cpu_prepack_moe_weight(e13, impl.isa), ops.cpu_prepack_moe_weight(e2, impl.isa), None, None,
-                      weights.float().clone(), ids.to(torch.int32), "silu", impl.isa, False)  # fmt: skip
-    ours = engine_kernels().fused_moe(x, w13, w2, ours_w, ours_ids)
+    form, tried = experts_form(impl.isa, gen)
+    if form is None:
+        return None, CandidateEvidence(why=f"the engine's fused experts are none of the contract's forms here ({tried})")
+    out = _engine_fused_moe(x, e13, e2, weights.float(), ids, impl.isa)
+    ours = engine_kernels().fused_moe(x, w13, w2, ours_w, ours_ids, form["exp"], form["store"], form["combine"])
     differ = int((out.view(torch.int16) != ours.view(torch.int16)).sum())
     details = {"tokens": tokens, "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter, "padded": padded,
-               "routes_equal": routed, "outputs_differ": differ, "outputs": out.numel()}  # fmt: skip
+               "routes_equal": routed, "outputs_differ": differ, "outputs": out.numel(), "forms": tried}  # fmt: skip
     if not routed or differ:
         why = "the router's routes or weights differ from the contract's" if not routed else f"{differ} of {out.numel()} outputs differ"
         return None, CandidateEvidence(why=f"the engine's fused experts are not the contract's here: {why}",
                                        details={k: str(v) for k, v in details.items()})  # fmt: skip
-    kernel = MoeKernel("vec", "silu", renormalize, experts, top_k, details=details)
-    return kernel, CandidateEvidence(kept="vec", details={k: str(v) for k, v in details.items()})
+    kernel = MoeKernel("vec", "silu", renormalize, experts, top_k, details=details, **form)
+    return kernel, CandidateEvidence(kept=f"vec ({', '.join(form.values())})", details={k: str(v) for k, v in details.items()})
+
+
+def _engine_fused_moe(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                      isa: str) -> torch.Tensor:  # fmt: skip
+    """The engine's own fused experts (vLLM's ``cpu_fused_moe`` of the build it loaded) on unpacked weights."""
+    from vllm import _custom_ops as ops
+
+    out = torch.empty(x.shape, dtype=torch.bfloat16)
+    ops.cpu_fused_moe(out, x, ops.cpu_prepack_moe_weight(w13, isa), ops.cpu_prepack_moe_weight(w2, isa), None, None,
+                      weights.clone(), ids.to(torch.int32), "silu", isa, False)  # fmt: skip
+    return out
+
+
+def experts_form(isa: str, gen: torch.Generator) -> tuple[dict[str, str] | None, str]:
+    """Which form of the fused experts the engine's kernel build computes (contract/moe.py: exp, store, combine), told
+    apart on two inputs made for it: the activation alone (one expert, one slot of weight 1, an identity down
+    projection: the output is SiLU(gate) * up as stored, 4,194,304 of them over gates in about [-12, 12]: two exps a
+    ulp apart part a bf16 store about once in 100,000), and the combine (8 of 16 experts per token: 2,048 tokens'
+    weighted sums). (the form, what each candidate gave), or (None, ...)
+    where no form, or more than one, gives the engine's every bit."""
+    import itertools
+
+    from fx_precision.contract.kernels import engine_kernels
+    from fx_precision.contract.moe import COMBINES, EXPS, STORES
+
+    cases, tokens = [], 131072
+    x = torch.randn(tokens, 32, generator=gen).to(torch.bfloat16)
+    w13 = (torch.randn(1, 64, 32, generator=gen) * 0.75).to(torch.bfloat16)
+    cases.append((x, w13, torch.eye(32, dtype=torch.bfloat16)[None], torch.ones(tokens, 1), torch.zeros(tokens, 1, dtype=torch.int64)))
+    x = (torch.randn(2048, 128, generator=gen) * 0.5).to(torch.bfloat16)
+    w13 = (torch.randn(16, 128, 128, generator=gen) * 0.1).to(torch.bfloat16)
+    w2 = (torch.randn(16, 128, 64, generator=gen) * 0.1).to(torch.bfloat16)
+    ids = torch.stack([torch.randperm(16, generator=gen)[:8] for _ in range(2048)])
+    cases.append((x, w13, w2, torch.rand(2048, 8, generator=gen).to(torch.bfloat16).float(), ids))
+    engine = [_engine_fused_moe(*case, isa) for case in cases]
+    kernels = engine_kernels()
+    if kernels.sleef_expf8 is None:
+        exps: tuple[str, ...] = tuple(e for e in EXPS if e != "sleef")
+    else:
+        exps = EXPS
+    found, tried = [], []
+    for exp, store, combine in itertools.product(exps, STORES, COMBINES):
+        form = {"exp": exp, "store": store, "combine": combine}
+        differ = 0
+        for case, theirs in zip(cases, engine, strict=True):
+            ours = kernels.fused_moe(*case, exp, store, combine)
+            differ += int((ours.view(torch.int16) != theirs.view(torch.int16)).sum())
+            if differ:
+                break
+        tried.append(f"{exp}/{store}/{combine}: {'every bit' if not differ else f'{differ} differ'}")
+        if not differ:
+            found.append(form)
+    return (found[0] if len(found) == 1 else None), "; ".join(tried)

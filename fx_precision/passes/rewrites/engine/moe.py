@@ -160,14 +160,17 @@ def _rewrite_region(graph: fx.Graph, path: str, region: list[fx.Node], contract:
         route = graph.call_function(torch.ops.fxp_engine.moe_route.default, (logits16, moe.top_k, moe.renormalize))
         route_weights = graph.call_function(operator.getitem, (route, 0))
         route_ids = graph.call_function(operator.getitem, (route, 1))
-        made = graph.call_function(torch.ops.fxp_engine.fused_moe.default, (x16, w13_16, w2_16, route_weights, route_ids))
+        made = graph.call_function(
+            torch.ops.fxp_engine.fused_moe.default, (x16, w13_16, w2_16, route_weights, route_ids, moe.exp, moe.store, moe.combine)
+        )
         return graph.call_method("to", (made, out_dtype)) if out_dtype != torch.bfloat16 else made
 
     made = replace_node(graph, out, build, MOE, erase=[])
     for node in reversed(region):
         if node is not made and not node.users and node in graph.nodes:
             graph.erase_node(node)
-    return record(MOE, made, out, f"the engine's router ({moe.top_k} of {moe.experts}) and fused experts ({moe.kernel})")
+    kernel = f"{moe.kernel}: {moe.exp} exp, {moe.store} store, {moe.combine} combine"
+    return record(MOE, made, out, f"the engine's router ({moe.top_k} of {moe.experts}) and fused experts ({kernel})")
 
 
 __all__ = ["engine_moe", "experts_regions"]
