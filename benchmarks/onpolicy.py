@@ -1,9 +1,10 @@
 """The on-policy loop, measured: the step under the engine contract against the same step as users run it today.
 
-    one checkpoint (a seeded tiny one of --arch, or a published shape: --shape NAME --layers N), one run per mode,
-    the same prompts, samples, temperature, ranks and compilation:
+    one checkpoint (a seeded tiny one of --arch, or a shape: --shape NAME (tests/configs) or a config directory, --layers N),
+    one run per mode, the same prompts, samples, temperature, ranks and compilation:
     ├── --contract vllm   gather bf16, compute bf16, the contract's rewrites, the engine's row plans
-    └── --contract none   fp32 gather, bf16 autocast (what RL trainers run today)
+    ├── --contract none   fp32 gather, bf16 autocast (what RL trainers run today)
+    └── --replay-routes   (a mixture of experts) also --contract none with the engine's routes replayed (routes.py)
     per run: mismatched sampled tokens per step, the reward, and the time split (sync, rollout, probe, recompute,
     train, save); the cost is the median step (steps 1.., step 0 compiles) with the contract over the one without,
     and the trainer's part alone (recompute + train)
@@ -40,7 +41,7 @@ MODES = ("vllm", "none")
 def row(run: OnPolicyRun) -> dict[str, Any]:
     s = run.summary()
     return {
-        "contract": run.config["contract"],
+        "contract": run.config["contract"] + (" + replayed routes" if run.config.get("replay_routes") else ""),
         "steps": s["steps"],
         "steps without mismatch": s["mismatch_free_steps"],
         "mismatched tokens": f"{s['mismatches']} / {s['tokens']}",
@@ -58,7 +59,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--engine-python", default=".venv-engine/bin/python")
     parser.add_argument("--arch", default="qwen3", help="a tiny checkpoint of this architecture (default qwen3)")
-    parser.add_argument("--shape", help="a published shape instead (tests/configs/NAME), with --layers")
+    parser.add_argument("--shape", help="a shape instead (tests/configs/NAME, or a directory holding a config.json), with --layers")
+    parser.add_argument("--replay-routes", action="store_true", help="a mixture of experts: also --contract none with replayed routes")
     parser.add_argument("--layers", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--samples", type=int, default=4)
@@ -74,19 +76,20 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         if args.shape:
-            checkpoint = write_shaped_checkpoint(CONFIGS / args.shape, root / "ckpt", layers=args.layers, seed=5)
+            config = Path(args.shape) if Path(args.shape).is_dir() else CONFIGS / args.shape
+            checkpoint = write_shaped_checkpoint(config, root / "ckpt", layers=args.layers, seed=5)
         else:
             checkpoint = write_tiny_checkpoint(args.arch, root / "ckpt", seed=5)
-        for mode in MODES:
+        for name in (*MODES, "replayed") if args.replay_routes else MODES:
             cfg = OnPolicyConfig(
-                checkpoint=str(checkpoint), out=str(root / f"run-{mode}"), steps=args.steps,
+                checkpoint=str(checkpoint), out=str(root / f"run-{name}"), steps=args.steps,
                 prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")), samples=args.samples, max_tokens=args.max_tokens,
-                temperature=args.temperature, world_size=args.world_size, compiled=True, contract=mode, mode="audit",
-                engine_python=args.engine_python,
+                temperature=args.temperature, world_size=args.world_size, compiled=True, contract="none" if name == "replayed" else name,
+                mode="audit", engine_python=args.engine_python, replay_routes=name == "replayed",
             )  # fmt: skip
-            runs[mode] = run_onpolicy(cfg)
-            print(summary_line(runs[mode]), flush=True)
-    rows = [row(runs[m]) for m in MODES]
+            runs[name] = run_onpolicy(cfg)
+            print(summary_line(runs[name]), flush=True)
+    rows = [row(run) for run in runs.values()]
     ratio = runs["vllm"].median_seconds("step") / runs["none"].median_seconds("step")
     trainer_ratio = runs["vllm"].median_seconds("recompute", "train") / runs["none"].median_seconds("recompute", "train")
     what = args.shape or f"tiny {args.arch}"
@@ -95,7 +98,7 @@ def main() -> None:
     print(tabulate(rows, headers="keys"))
     print(f"step with the contract / without: {ratio:.3f}x (trainer alone: {trainer_ratio:.3f}x)")
     if args.plot:
-        plot([(f"--contract {m}", runs[m]) for m in MODES], args.plot)
+        plot([(row(run)["contract"], run) for run in runs.values()], args.plot)
     if args.json:
         payload = {
             **provenance(),
@@ -103,7 +106,7 @@ def main() -> None:
             "step_ratio": round(ratio, 4),
             "trainer_ratio": round(trainer_ratio, 4),
             "rows": rows,
-            "runs": {m: runs[m].to_dict() for m in MODES},
+            "runs": {name: run.to_dict() for name, run in runs.items()},
             "seconds": round(time.perf_counter() - started, 1),
         }
         Path(args.json).write_text(json.dumps(payload, indent=1, default=str))
