@@ -142,6 +142,23 @@ def test_a_form_the_contract_does_not_follow_is_refused_up_front_and_replay_offe
     assert "Loading weights" not in done.stderr and "Traceback" not in done.stderr
 
 
+def test_dense_layers_among_moe_layers_are_followed_too(tmp_path: Path) -> None:
+    """A dense first layer, then MoE layers with one expert per token (Qwen3-MoE's ``mlp_only_layers``; DeepSeek's first
+    dense layers are the same form): the probe reads each kind of linear where it first appears (the router lives in
+    layer 1 only), and the contract is bitwise with Inductor."""
+    config = {**CONFIGS["qwen3-moe"], "mlp_only_layers": [0], "num_experts": 16, "num_experts_per_tok": 1, "moe_intermediate_size": 32}
+    (tmp_path / "mixed.json").write_text(json.dumps(config))
+    checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
+    run("checkpoint", "--config", str(tmp_path / "mixed.json"), "--layers", "2", "--out", str(checkpoint))
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "9,50", "--samples", "2", "--max-tokens", "4", "--temperature", "1.0",
+        "--out", str(dump))  # fmt: skip
+    read = {(call["out_features"], call["in_features"]) for call in load_dump(str(dump)).contract["linears"]["calls"]}
+    assert (16, 128) in read, sorted(read)  # layer 1's router, 16 experts over the hidden size
+    report = compare((checkpoint, dump), "--contract", "vllm", "--compiled")
+    assert report["logprob"]["bitwise_share"] == 1.0 and report["logprob"]["tokens"] == 2 * (9 + 50 + 2 * 3)
+    assert [(r["layer"], r["differ"]) for r in report["routes"]["layers"]] == [("model.layers.1.mlp.experts", 0)]
+
+
 def test_the_comparator_names_the_router_or_the_experts_and_the_token_an_moe_block_parts_at(
         rollouts: dict[str, tuple[Path, Path]], tmp_path: Path) -> None:  # fmt: skip
     """The engine's module records, bitwise under the contract, then one of its MoE block outputs changed at one token

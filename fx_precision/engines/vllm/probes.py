@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import re
 from pathlib import Path
 from typing import Any
 
@@ -68,11 +69,20 @@ def engine_attention_batch(isa: str, block_size: int, requests: list[tuple[torch
 
 
 def _linear_calls(model: Any) -> dict[str, tuple[Any, int]]:
-    """The first decoder layer's linears and the output projection: name -> (call on [M, K] rows, K)."""
+    """The decoder layers' linears, each kind once (its place in the layer and its weight's shape, at the first layer that
+    has it: a dense first layer and MoE layers after it, a sparse step, alternating forms), and the output projection:
+    name -> (call on [M, K] rows, K)."""
     calls: dict[str, tuple[Any, int]] = {}
+    kinds: set[tuple[str, tuple[int, ...]]] = set()
     for name, module in model.named_modules():
         size = getattr(module, "input_size", None)
-        if ".layers.0." in name and isinstance(size, int) and hasattr(module, "quant_method"):
+        place = re.match(r".*\.layers\.\d+\.(.+)$", name)
+        if place is None or not isinstance(size, int) or not hasattr(module, "quant_method"):
+            continue
+        weight = getattr(module, "weight", None)
+        kind = (place.group(1), tuple(weight.shape) if isinstance(weight, torch.Tensor) else ())
+        if kind not in kinds:
+            kinds.add(kind)
             calls[name] = ((lambda x, m=module: m(x)[0]), size)
     head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if head is not None and processor is not None:
@@ -242,8 +252,6 @@ def experts_form(isa: str, gen: torch.Generator) -> tuple[dict[str, str] | None,
     ulp apart part a bf16 store about once in 100,000), and the combine (8 of 16 experts per token: 2,048 tokens'
     weighted sums). (the form, what each candidate gave), or (None, ...)
     where no form, or more than one, gives the engine's every bit."""
-    import itertools
-
     from fx_precision.contract.kernels import engine_kernels
     from fx_precision.contract.moe import COMBINES, EXPS, STORES
 
