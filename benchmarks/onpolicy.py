@@ -38,6 +38,11 @@ CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "configs"
 MODES = ("vllm", "none")
 
 
+def label(run: OnPolicyRun) -> str:
+    """The run's trainer as its flags say it."""
+    return f"--contract {run.config['contract']}" + (" --replay-routes" if run.config.get("replay_routes") else "")
+
+
 def row(run: OnPolicyRun) -> dict[str, Any]:
     s = run.summary()
     return {
@@ -98,7 +103,7 @@ def main() -> None:
     print(tabulate(rows, headers="keys"))
     print(f"step with the contract / without: {ratio:.3f}x (trainer alone: {trainer_ratio:.3f}x)")
     if args.plot:
-        plot([(row(run)["contract"], run) for run in runs.values()], args.plot)
+        plot([(label(run), run) for run in runs.values()], args.plot)
     if args.json:
         payload = {
             **provenance(),

@@ -28,6 +28,7 @@ layers, 7 GiB each).
 from __future__ import annotations
 
 import contextlib
+import gc
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
@@ -294,7 +295,7 @@ def one_rank_at_a_time(mesh: DeviceMesh | None) -> Iterator[None]:
     """The body runs on one rank of the process group after another (rank r after rank r - 1 left it): rank r waits at
     r barriers before it, and at world - r after, so the i-th barrier opens when rank i is done. In process, or on one
     rank: at once. A rank that fails inside stops its peers' next barrier (gloo names the peer that closed)."""
-    import torch.distributed as dist
+    import torch.distributed as dist  # loaded with FSDP2's ranks only
 
     if mesh is None or not dist.is_initialized() or dist.get_world_size() == 1:
         yield
@@ -303,8 +304,6 @@ def one_rank_at_a_time(mesh: DeviceMesh | None) -> Iterator[None]:
     for _ in range(rank):
         dist.barrier()
     yield
-    import gc
-
     gc.collect()  # the whole model's tensors the shard replaced: gone before the next rank loads its own
     for _ in range(world - rank):
         dist.barrier()

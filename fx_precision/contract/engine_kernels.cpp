@@ -1166,6 +1166,8 @@ void linear_lanes(const uint16_t* x, const uint16_t* w, const float* bias, uint1
 
 namespace {
 
+constexpr int kMoeLanes = 16;  // tokens of one expert computed side by side (each its own chain)
+
 inline float moe_silu_mul(float gate, float up) {
   const float s = 1.0f / std::fmaf(fast_exp512_half(-gate), 2.0f, 1.0f);
   return (s * gate) * up;
@@ -1180,26 +1182,24 @@ constexpr int64_t MOE_EXP_SLEEF = 1, MOE_STORE_TRUNC = 2, MOE_COMBINE_MUL_ADD = 
 using SleefExpf8 = __m256 (*)(__m256);
 SleefExpf8 g_sleef_expf8 = nullptr;  // torch's Sleef_expf8_u10 (fxp_set_sleef_expf8), the one the engine's build calls
 
-__attribute__((target("avx2,fma"))) void sleef_exp16(const float* in, float* out) {
-  for (int h = 0; h < 16; h += 8) _mm256_storeu_ps(out + h, g_sleef_expf8(_mm256_loadu_ps(in + h)));
+__attribute__((target("avx2,fma"))) void sleef_exp_lanes(const float* in, float* out) {
+  for (int h = 0; h < kMoeLanes; h += 8) _mm256_storeu_ps(out + h, g_sleef_expf8(_mm256_loadu_ps(in + h)));
 }
 
 inline uint16_t moe_store(float v, int64_t form) { return form & MOE_STORE_TRUNC ? bf16_trunc(v) : bf16_rne(ftz(v)); }
 
-// act[m] = bf16 of SiLU(gate[m]) * up[m] for 16 lanes, in the form's arithmetic.
-inline void moe_activation16(const float* gate, const float* up, float* act, int64_t form) {
+// act[m] = bf16 of SiLU(gate[m]) * up[m] for the kMoeLanes lanes of one block, in the form's arithmetic.
+inline void moe_activation(const float* gate, const float* up, float* act, int64_t form) {
   if (!(form & MOE_EXP_SLEEF)) {
-    for (int m = 0; m < 16; ++m) act[m] = bf16_value(moe_store(moe_silu_mul(gate[m], up[m]), form));
+    for (int m = 0; m < kMoeLanes; ++m) act[m] = bf16_value(moe_store(moe_silu_mul(gate[m], up[m]), form));
     return;
   }
-  float neg[16], e[16];
-  for (int m = 0; m < 16; ++m) neg[m] = -gate[m];
-  sleef_exp16(neg, e);
-  for (int m = 0; m < 16; ++m) act[m] = bf16_value(moe_store(((1.0f / (1.0f + e[m])) * gate[m]) * up[m], form));
+  float neg[kMoeLanes], e[kMoeLanes];
+  for (int m = 0; m < kMoeLanes; ++m) neg[m] = -gate[m];
+  sleef_exp_lanes(neg, e);
+  for (int m = 0; m < kMoeLanes; ++m) act[m] = bf16_value(moe_store(((1.0f / (1.0f + e[m])) * gate[m]) * up[m], form));
 }
 
-constexpr int kMoeLanes = 16;  // tokens of one expert computed side by side (each its own chain)
-static_assert(kMoeLanes == 16, "moe_activation16 takes one block's 16 lanes");
 
 // acc[n * 16 + m] = sum_k xt[k * 16 + m] * w[n * K + k], one FMA chain per (n, m) in k order, from 0.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
@@ -1360,10 +1360,12 @@ void fxp_product_fold(const uint16_t* x, const uint16_t* w, const float* bias, u
   }
 }
 
-// y [T, H] = the engine's fused experts of x [T, H] (bf16 bits): w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
-// topk weights [T, K] fp32 and ids [T, K] int64 (each in [0, E): the caller checks). See moe_chains.
-// form: MOE_* bits (moe_activation16); a SLEEF form needs fxp_set_sleef_expf8 first.
+// The SLEEF exp the MOE_EXP_SLEEF form calls: torch's Sleef_expf8_u10, its address from the caller (contract/kernels.py).
 void fxp_set_sleef_expf8(void* fn) { g_sleef_expf8 = reinterpret_cast<SleefExpf8>(fn); }
+
+// y [T, H] = the engine's fused experts of x [T, H] (bf16 bits): w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I],
+// topk weights [T, K] fp32 and ids [T, K] int64 (each in [0, E): the caller checks). See moe_chains. form: MOE_* bits
+// (a SLEEF form needs fxp_set_sleef_expf8 first).
 
 void fxp_fused_moe(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, const float* tw, const int64_t* ids, uint16_t* out,
                    int64_t T, int64_t H, int64_t I, int64_t K, int64_t E, int64_t threads, int64_t form) {
@@ -1387,7 +1389,7 @@ void fxp_fused_moe(const uint16_t* x, const uint16_t* w13, const uint16_t* w2, c
       }
       moe_chains(xt.data(), w13 + e * 2 * I * H, 2 * I, H, gu.data());
       for (int64_t i = 0; i < I; ++i)
-        moe_activation16(gu.data() + i * kMoeLanes, gu.data() + (I + i) * kMoeLanes, act.data() + i * kMoeLanes, form);
+        moe_activation(gu.data() + i * kMoeLanes, gu.data() + (I + i) * kMoeLanes, act.data() + i * kMoeLanes, form);
       moe_chains(act.data(), w2 + e * H * I, H, I, down.data());
       for (int64_t m = 0; m < n; ++m) {
         float* dst = y.data() + pairs[first + m] * H;

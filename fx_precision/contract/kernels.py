@@ -30,6 +30,7 @@ from typing import ClassVar
 
 import torch
 
+from fx_precision.contract.moe import COMBINES, EXPS, STORES
 from fx_precision.errors import PrecisionError
 
 SOURCE = Path(__file__).with_name("engine_kernels.cpp")
@@ -284,8 +285,9 @@ class EngineKernels:
             )  # fmt: skip
         return out
 
-    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {
-        "exp": {"fast512": 0, "sleef": 1}, "store": {"nearest-even": 0, "truncate": 2}, "combine": {"fma": 0, "mul+add": 4}
+    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {  # contract/moe.py's names -> engine_kernels.cpp's MOE_* bits
+        "exp": dict(zip(EXPS, (0, 1), strict=True)), "store": dict(zip(STORES, (0, 2), strict=True)),
+        "combine": dict(zip(COMBINES, (0, 4), strict=True)),
     }  # fmt: skip
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
@@ -300,7 +302,10 @@ class EngineKernels:
                 raise PrecisionError(f"engine fused experts: {name}={value!r}, one of {', '.join(self.MOE_FORMS[name])}")
             form |= self.MOE_FORMS[name][value]
         if exp == "sleef" and self.sleef_expf8 is None:
-            raise PrecisionError("engine fused experts with SLEEF's exp: this torch exports no Sleef_expf8_u10 (an x86 build has it)")
+            raise PrecisionError(
+                "engine fused experts, exp='sleef' (vLLM's AVX2 build): this torch exports no Sleef_expf8_u10; run the training side "
+                "on an x86 build of torch, as the engine's"
+            )
         if any(t.dtype != torch.bfloat16 for t in (x, w13, w2)) or x.dim() != 2 or w13.dim() != 3 or w2.dim() != 3:
             raise PrecisionError(
                 f"engine fused experts take bf16 x [T, H], w13 [E, 2I, H] and w2 [E, H, I], got {x.dtype} {tuple(x.shape)}, "

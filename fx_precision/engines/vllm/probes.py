@@ -220,7 +220,8 @@ def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]
     e2[:, :, :inter] = w2
     form, tried = experts_form(impl.isa, gen)
     if form is None:
-        return None, CandidateEvidence(why=f"the engine's fused experts are none of the contract's forms here ({tried})")
+        how = "no form" if "every bit" not in tried else "more than one form"
+        return None, CandidateEvidence(why=f"the engine's fused experts: {how} of the contract's gives every bit here ({tried})")
     out = _engine_fused_moe(x, e13, e2, weights.float(), ids, impl.isa)
     ours = engine_kernels().fused_moe(x, w13, w2, ours_w, ours_ids, form["exp"], form["store"], form["combine"])
     differ = int((out.view(torch.int16) != ours.view(torch.int16)).sum())
@@ -250,8 +251,8 @@ def experts_form(isa: str, gen: torch.Generator) -> tuple[dict[str, str] | None,
     apart on two inputs made for it: the activation alone (one expert, one slot of weight 1, an identity down
     projection: the output is SiLU(gate) * up as stored, 4,194,304 of them over gates in about [-12, 12]: two exps a
     ulp apart part a bf16 store about once in 100,000), and the combine (8 of 16 experts per token: 2,048 tokens'
-    weighted sums). (the form, what each candidate gave), or (None, ...)
-    where no form, or more than one, gives the engine's every bit."""
+    weighted sums). Returns (the form, what each candidate gave), or (None, ...) where no form, or more than one, gives
+    the engine's every bit."""
     from fx_precision.contract.kernels import engine_kernels
     from fx_precision.contract.moe import COMBINES, EXPS, STORES
 
@@ -266,10 +267,7 @@ def experts_form(isa: str, gen: torch.Generator) -> tuple[dict[str, str] | None,
     cases.append((x, w13, w2, torch.rand(2048, 8, generator=gen).to(torch.bfloat16).float(), ids))
     engine = [_engine_fused_moe(*case, isa) for case in cases]
     kernels = engine_kernels()
-    if kernels.sleef_expf8 is None:
-        exps: tuple[str, ...] = tuple(e for e in EXPS if e != "sleef")
-    else:
-        exps = EXPS
+    exps = EXPS if kernels.sleef_expf8 is not None else tuple(e for e in EXPS if e != "sleef")  # SLEEF: x86 torch only
     found, tried = [], []
     for exp, store, combine in itertools.product(exps, STORES, COMBINES):
         form = {"exp": exp, "store": store, "combine": combine}
