@@ -30,7 +30,7 @@ from typing import ClassVar
 
 import torch
 
-from fx_precision.contract.moe import COMBINES, EXPS, STORES
+from fx_precision.contract.vocabulary import MOE_COMBINES, MOE_EXPS, MOE_STORES
 from fx_precision.errors import PrecisionError
 
 SOURCE = Path(__file__).with_name("engine_kernels.cpp")
@@ -285,9 +285,9 @@ class EngineKernels:
             )  # fmt: skip
         return out
 
-    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {  # contract/moe.py's names -> engine_kernels.cpp's MOE_* bits
-        "exp": dict(zip(EXPS, (0, 1), strict=True)), "store": dict(zip(STORES, (0, 2), strict=True)),
-        "combine": dict(zip(COMBINES, (0, 4), strict=True)),
+    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {  # the vocabulary's MoE forms -> engine_kernels.cpp's MOE_* bits
+        "exp": dict(zip(MOE_EXPS, (0, 1), strict=True)), "store": dict(zip(MOE_STORES, (0, 2), strict=True)),
+        "combine": dict(zip(MOE_COMBINES, (0, 4), strict=True)),
     }  # fmt: skip
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,

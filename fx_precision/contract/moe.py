@@ -29,13 +29,13 @@ from typing import Any
 
 import torch
 
+from fx_precision.contract.vocabulary import MOE_COMBINES as COMBINES
+from fx_precision.contract.vocabulary import MOE_EXPS as EXPS
+from fx_precision.contract.vocabulary import MOE_STORES as STORES
 from fx_precision.errors import PrecisionError
 
 KERNELS = ("vec",)  # vLLM's portable CPU fused experts; its AMX kernel ("amx") sums in other blocks: not followed
 ACTIVATIONS = ("silu",)
-EXPS = ("fast512", "sleef")  # SiLU's exp: the AVX-512 polynomial (the AVX-512 builds), SLEEF's expf (the AVX2 build)
-STORES = ("nearest-even", "truncate")  # bf16 stores: VCVTNEPS2BF16 (AVX-512 BF16), or the upper half (builds without)
-COMBINES = ("fma", "mul+add")  # the slots' weighted sum: FMAs, or multiply then add (a build without FMA contraction)
 
 
 @dataclass(frozen=True)

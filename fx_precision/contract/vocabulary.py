@@ -6,6 +6,7 @@ NormForm      what the norm after a residual add normalises
 RotaryForm    how the engine rotates q and k
 Scores, Exp, LaneSum    the attention kernel's instruction, exp and softmax-sum reduction
 LogprobForm   which log-probs the engine returns: of the raw logits, or of the logits at the temperature
+MOE_EXPS, MOE_STORES, MOE_COMBINES    the fused experts' forms per kernel build (contract/moe.py; kernels.MOE_FORMS)
 """
 
 from __future__ import annotations
@@ -66,6 +67,10 @@ class LogprobForm(TextEnum):
     RAW = "raw"  # fp32 log_softmax of the bf16 logits; the sampling temperature does not enter (vLLM's default)
     PROCESSED = "processed"  # fp32 log_softmax of the fp32 logits / T over what top-k / top-p keep (what the sampler drew from)
 
+
+MOE_EXPS = ("fast512", "sleef")  # SiLU's exp: the AVX-512 polynomial (the AVX-512 builds), SLEEF's expf (the AVX2 build)
+MOE_STORES = ("nearest-even", "truncate")  # bf16 stores: VCVTNEPS2BF16 (AVX-512 BF16), or the upper half (builds without)
+MOE_COMBINES = ("fma", "mul+add")  # the slots' weighted sum: FMAs, or multiply then add (a build without FMA contraction)
 
 E = TypeVar("E", bound=TextEnum)
 
