@@ -53,7 +53,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "tests" / "configs"  # published
 
 def rollout(engine_python: str, checkpoint: Path, out: Path, threads: int, max_tokens: int, split_kv: str = "default",
             prompt_lens: str = PROMPT_LENS, modules: bool = True, isa: str = "auto") -> dict[str, Any]:  # fmt: skip
-    command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--model", str(checkpoint), "--prompt-lens", prompt_lens,
+    command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--launch", "eager", "--model", str(checkpoint),
+               "--prompt-lens", prompt_lens,
                "--max-tokens", str(max_tokens), "--threads", str(threads), "--split-kv", split_kv, *(["--modules"] if modules else []),
                "--isa", isa, "--out", str(out), "--overwrite", "--json"]  # fmt: skip
     started = time.perf_counter()

@@ -48,7 +48,8 @@ def measure(config: str, args: argparse.Namespace, root: Path) -> dict[str, Any]
     ckpt, dump = root / f"ckpt-{name}", root / f"dump-{name}"
     _run(sys.executable, "checkpoint", "--config", config, "--layers", str(args.layers), "--seed", str(args.seed), "--out", str(ckpt))
     started = time.perf_counter()
-    _run(args.engine_python, "rollout", "--model", str(ckpt), "--prompt-lens", args.prompt_lens, "--samples", str(args.samples),
+    _run(args.engine_python, "rollout", "--launch", "eager",
+            "--model", str(ckpt), "--prompt-lens", args.prompt_lens, "--samples", str(args.samples),
          "--max-tokens", str(args.max_tokens), "--temperature", "1.0", "--seed", str(args.seed), "--out", str(dump))  # fmt: skip
     rollout_s = time.perf_counter() - started
     started = time.perf_counter()

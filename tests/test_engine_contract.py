@@ -14,7 +14,7 @@ import torch
 
 import fx_precision as fxp
 from fx_precision.contract import AttentionArithmetic, EngineContract, RotaryOp
-from fx_precision.contract.batch_rows import EngineRows, RowPlan, check_logits_calls, engine_rows, row_plans
+from fx_precision.contract.batch_rows import EngineRows, RowPlan, check_logits_calls, engine_rows, row_plans, steps_of
 from fx_precision.contract.evidence import (
     AttentionEvidence,
     CandidateEvidence,
@@ -518,6 +518,72 @@ def test_row_plans_follow_the_engine_steps() -> None:
     assert rows.body.tolist() == [[9] * 6 + [2, 2], [9] * 3 + [2, 2, 0, 0, 0]]
     assert rows.logits.tolist() == [[5] * 5 + [2, 2, 0], [2, 2, 2, 2, 0, 0, 0, 0]]
     assert RowPlan((9, 2), (9,)).tensors()[1].tolist() == [[9, 0]]
+
+
+def test_row_plans_follow_prefix_cache_hits_and_prompt_chunks_in_one_step() -> None:
+    """As vLLM at its defaults schedules G samples with a token budget: sample a computes its 20-token prompt, sample b
+    (the same prompt) only rows 16-19 in the same step (its first block a prefix-cache hit on a's), prompt c is cut
+    into chunks of 10 + 20 rows. Logits: one row per request that fed rows in the step (c's first chunk too, its
+    token discarded), never one for b's cached rows."""
+    prompt = tuple(range(1, 21))
+    a, b = SimpleNamespace(tokens=(*prompt, 50, 51), prompt_len=20), SimpleNamespace(tokens=(*prompt, 60, 61), prompt_len=20)
+    c = SimpleNamespace(tokens=(*range(100, 130), 70), prompt_len=30)
+    step0 = [(r, t) for r, t in enumerate(prompt)] + [(r, prompt[r]) for r in range(16, 20)] + [(r, 100 + r) for r in range(10)]
+    step1 = [(20, 50), (20, 60)] + [(r, 100 + r) for r in range(10, 30)]
+    engine = {"steps": [step0, step1, [(21, 51), (21, 61)]], "logits_calls": [[0, 3], [1, 3], [2, 2]], "prompt_logprobs": False}
+    assert check_logits_calls([a, b, c], engine) is None
+    plan_a, plan_b, plan_c = row_plans([a, b, c], engine)
+    assert plan_b.body == (34,) * 20 + (22, 2)  # rows 0-15 read from a's computation: the same step's call
+    assert plan_a.logits[19:] == (3, 3) and plan_b.logits[19:] == (3, 3) and plan_c.logits[29:] == (3,)
+    stale = {**engine, "logits_calls": [[0, 4], [1, 3], [2, 2]]}  # the old plan's count: b's cached rows as a request
+    assert "other batches than assumed" in (check_logits_calls([a, b, c], stale) or "")
+
+
+def test_rows_are_matched_as_whole_requests_not_token_by_token() -> None:
+    """Prompt y holds prompt x's token at position 5: sample b of x, whose row 5 is a prefix-cache hit, must not take
+    y's row 5 for its own (y then had a row no step fed)."""
+    x = tuple(range(1, 21))
+    y = (*range(101, 106), x[5], *range(107, 121))
+    a, b, c = (SimpleNamespace(tokens=(*x, 7), prompt_len=20), SimpleNamespace(tokens=(*x, 8), prompt_len=20),
+               SimpleNamespace(tokens=(*y, 9), prompt_len=20))  # fmt: skip
+    step0 = [(r, t) for r, t in enumerate(x)] + [(r, x[r]) for r in range(16, 20)] + [(r, t) for r, t in enumerate(y)]
+    found = steps_of([a, b, c], [step0])
+    assert found[2][:20] == [0] * 20 and found[1][:20] == [0] * 20 and found[0][:20] == [0] * 20
+    assert check_logits_calls([a, b, c], {"steps": [step0], "logits_calls": [[0, 3]], "prompt_logprobs": False}) is None
+
+
+def test_a_prefix_cache_hit_takes_its_keys_as_the_request_that_computed_the_row() -> None:
+    """Sample b of a 600-token prompt feeds rows 592-599 only (its first 37 blocks hit sample a's, computed in the same
+    step): b's own rows take their keys as b's request (8 query rows), the rows it read as a's request (600)."""
+    from fx_precision.contract.attention_tiles import KvTiling
+
+    tiling = KvTiling("vec", 1 << 20, 128, 16, 8, 2, True)
+    prompt = tuple(range(1, 601))
+    a, b = SimpleNamespace(tokens=(*prompt, 7), prompt_len=600), SimpleNamespace(tokens=(*prompt, 9), prompt_len=600)
+    step0 = [(r, t) for r, t in enumerate(prompt)] + [(r, prompt[r]) for r in range(592, 600)]
+    engine = {"steps": [step0], "logits_calls": [[0, 2]], "prompt_logprobs": False}
+    _, plan_b = row_plans([a, b], engine, tiling=tiling)
+    own, read = tiling.query_row_tiles([(600, 600), (8, 600)])[::-1]
+    assert plan_b.kv_tiles is not None
+    assert plan_b.kv_tiles[592:600] == tuple(own) and plan_b.kv_tiles[:592] == tuple(read[:592])
+    assert tuple(own) != tuple(read[592:600])  # the two requests part there: the plan must know which one computed a row
+
+
+def test_requests_of_one_shape_in_a_step_take_their_keys_each_as_its_own() -> None:
+    """G samples of a prompt feed the same rows (1408-1499 after a prefix-cache hit) in one step: the engine splits
+    each request's keys by its place in the step's work, so sample c's rows are c's request's, not b's."""
+    from fx_precision.contract.attention_tiles import KvTiling
+
+    tiling = KvTiling("vec", 1 << 20, 128, 16, 8, 4, True)
+    prompt = tuple(range(1, 1501))
+    samples = [SimpleNamespace(tokens=(*prompt, 7 + i), prompt_len=1500) for i in range(4)]
+    step0 = [(r, t) for r, t in enumerate(prompt)] + [(r, prompt[r]) for r in range(1408, 1500)] * 3
+    engine = {"steps": [step0], "logits_calls": [[0, 4]], "prompt_logprobs": False}
+    plans = row_plans(samples, engine, tiling=tiling)
+    want = tiling.query_row_tiles([(1500, 1500)] + [(92, 1500)] * 3)
+    assert want[2] != want[1]  # the engine's split differs between the same-shaped requests here
+    for i in (1, 2, 3):
+        assert plans[i].kv_tiles is not None and plans[i].kv_tiles[1408:1500] == tuple(want[i])
 
 
 def _rms_rotary_mlp(x: torch.Tensor, w: torch.Tensor, pos: torch.Tensor) -> tuple[torch.Tensor, ...]:

@@ -134,8 +134,9 @@ class RotaryOp:
 
 
 _FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
-# written by later versions only: a contract without kv_tiling takes one KV tile per row, one without moe read no experts
-_OPTIONAL = ("kv_tiling", "moe")
+# written by later versions only: a contract without kv_tiling takes one KV tile per row, one without moe read no experts,
+# one without inductor is of the eager engine
+_OPTIONAL = ("kv_tiling", "moe", "inductor")
 
 
 @dataclass(frozen=True)
@@ -155,6 +156,7 @@ class EngineContract:
     evidence: ContractEvidence = field(default_factory=ContractEvidence)  # what each probe found (contract/evidence.py)
     kv_tiling: KvTiling | None = None  # where the engine's attention placed its KV tiles (None: one tile per row)
     moe: MoeKernel | None = None  # the engine's fused experts and router (None: a dense model, or unmatched says why)
+    inductor: str | None = None  # the compiled engine's Inductor (contract/inductor_build.py; None: the eager engine)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -181,6 +183,8 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.kv_tiling: a KvTiling or None, got {type(self.kv_tiling).__name__}")
         if self.moe is not None and not isinstance(self.moe, MoeKernel):
             raise PrecisionError(f"EngineContract.moe: a MoeKernel or None, got {type(self.moe).__name__}")
+        if self.inductor is not None and (not isinstance(self.inductor, str) or not self.inductor):
+            raise PrecisionError(f"EngineContract.inductor={self.inductor!r}: the compiled engine's Inductor build (a string) or null")
         missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention, OpClass.LOGPROBS: self.logprobs}
         for op_class, value in missing.items():
             if value is None and op_class not in self.why_unmatched():
@@ -202,6 +206,7 @@ class EngineContract:
 
     def describe(self) -> str:
         parts = [
+            *([f"compiled by Inductor ({self.inductor})"] if self.inductor else []),
             f"norm {self.norm or 'unmatched'}",
             f"rotary {self.rotary.describe() if self.rotary else 'unmatched'}",
             f"attention {self.attention.describe() if self.attention else 'unmatched'}"
@@ -227,6 +232,7 @@ class EngineContract:
             "evidence": self.evidence.to_dict(),
             "kv_tiling": self.kv_tiling.to_dict() if self.kv_tiling is not None else None,
             "moe": self.moe.to_dict() if self.moe is not None else None,
+            "inductor": self.inductor,
         }
 
     @classmethod
@@ -251,6 +257,7 @@ class EngineContract:
                 evidence=ContractEvidence.from_dict(data["evidence"]),
                 kv_tiling=KvTiling.from_dict(data["kv_tiling"]) if data.get("kv_tiling") is not None else None,
                 moe=MoeKernel.from_dict(data["moe"]) if data.get("moe") is not None else None,
+                inductor=data.get("inductor"),
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
@@ -347,8 +354,8 @@ def contract_of_dump(dump: Any) -> EngineContract:
     contract = EngineContract.from_dict(data)
     contract.check_evidence()
     engine = getattr(dump, "engine", None) or {}
-    if engine.get("compiled"):  # refused before any model is built: every op class between its GEMMs computes otherwise
-        why = contract.why_unmatched().get(OpClass.NORM, "the engine ran compiled")
+    if engine.get("compiled") and contract.inductor is None:  # refused before any model is built: not followed, said why
+        why = contract.why_unmatched().get(OpClass.NORM, "the engine ran compiled and the rollout read no Inductor build")
         raise PrecisionError(f"dump {getattr(dump, 'source', dump)}: engine contract: {why}")
     return contract
 

@@ -60,47 +60,84 @@ def _steps(engine: dict[str, Any]) -> list[list[tuple[int, int]]]:
 
 
 def steps_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> list[list[int | None]]:
-    """For each sequence, the engine step that computed each of its rows (None: never computed).
+    """For each sequence, the engine step that computed each of its rows (None: never computed): the step of the
+    request that fed it, or for a row no request of the sequence fed, whose whole prefix another sequence shares
+    (the engine's prefix cache: G samples of one prompt, the KV of its blocks computed once, in the same step or an
+    earlier one), the step of the request that computed it (``_claimed``)."""
+    return _claimed(sequences, steps).steps
 
-    A row is the (position, token) it fed; a sequence's rows come in non-decreasing steps, and each
-    row of a step is one sequence's: sequences claim rows in order, the earliest step that fits. A row
-    no step fed for this sequence, whose whole prefix an earlier sequence shares (the engine's prefix
-    cache: G samples of one prompt, the KV of its blocks computed once), is the row that sequence fed:
-    its values came from that call."""
-    available: Counter[tuple[int, int, int]] = Counter()
-    where: dict[tuple[int, int], list[int]] = {}
-    for i, rows in enumerate(steps):
-        for position, token in rows:
-            available[(i, position, token)] += 1
-            if i not in where.setdefault((position, token), []):
-                where[(position, token)].append(i)
-    out: list[list[int | None]] = []
-    computed: dict[tuple[int, ...], int] = {}  # a prefix (tokens up to and with its last row) -> the step that computed that row
+
+@dataclass(frozen=True)
+class Claims:
+    """Which engine request computed each row (``_claimed``), per sequence: ``steps`` each row's step (None: never
+    computed), ``fed`` the steps the sequence fed rows in itself (its requests: the engine computes their logits),
+    ``sources`` the sequence whose request computed each row (itself, or the one a prefix-cache hit read), and
+    ``requests`` step -> the index of the sequence's own request in that step (``step_requests``' order)."""
+
+    steps: list[list[int | None]]
+    fed: list[set[int]]
+    sources: list[list[int]]
+    requests: list[dict[int, int]]
+
+
+def _prefix_ids(sequences: Sequence[Any]) -> list[list[int]]:
+    """Per sequence, per row: an id of the tokens up to and with that row (one id per distinct prefix: a trie)."""
+    trie: dict[tuple[int, int], int] = {}
+    out = []
     for s in sequences:
-        found: list[int | None] = []
-        floor = 0
-        for r, token in enumerate(s.tokens):
-            step = next((i for i in where.get((r, int(token)), []) if i >= floor and available[(i, r, int(token))] > 0), None)
-            if step is not None:
-                available[(step, r, int(token))] -= 1
-                floor = step
-            else:
-                step = computed.get(tuple(int(t) for t in s.tokens[: r + 1]))  # a prefix-cache hit
-            if step is not None:
-                computed.setdefault(tuple(int(t) for t in s.tokens[: r + 1]), step)
-            found.append(step)
-        out.append(found)
+        ids, node = [], -1
+        for token in s.tokens:
+            node = trie.setdefault((node, int(token)), len(trie))
+            ids.append(node)
+        out.append(ids)
     return out
 
 
-def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]],
+def _claimed(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> Claims:
+    """Each step's requests (``step_requests``) matched to sequences in the step's order: a request of rows
+    [start, keys) is the first sequence's, in the dump's order, that holds those tokens there, has none of its own in
+    the step yet, and has every row before ``start`` computed (by its own earlier requests, or by a prefix-cache hit:
+    a request of any sequence, this step or an earlier one, that computed the same prefix). Rows are matched as whole
+    requests, never token by token: two prompts may hold one token at one position."""
+    tokens = [[int(t) for t in s.tokens] for s in sequences]
+    prefixes = _prefix_ids(sequences)
+    found: list[list[int | None]] = [[None] * len(t) for t in tokens]
+    sources = [[i] * len(t) for i, t in enumerate(tokens)]
+    fed: list[set[int]] = [set() for _ in tokens]
+    requests: list[dict[int, int]] = [{} for _ in tokens]
+    progress = [0] * len(tokens)  # per sequence: the first row not yet computed
+    computed: dict[int, tuple[int, int]] = {}  # prefix id -> (step, sequence) of the request that computed its last row
+    for step, (rows, runs) in enumerate(zip(steps, step_requests(sequences, steps), strict=True)):
+        offset = 0
+        for index, (q, keys) in enumerate(runs):
+            start, run = keys - q, [t for _, t in rows[offset : offset + q]]
+            offset += q
+            for i, held in enumerate(tokens):
+                if step in fed[i] or progress[i] > start or held[start:keys] != run:
+                    continue
+                gap = range(progress[i], start)
+                if any(prefixes[i][r] not in computed for r in gap):
+                    continue
+                for r in gap:  # prefix-cache hits: the rows another request computed
+                    found[i][r], sources[i][r] = computed[prefixes[i][r]]
+                for r in range(start, keys):
+                    found[i][r] = step
+                    computed.setdefault(prefixes[i][r], (step, i))
+                progress[i], requests[i][step] = keys, index
+                fed[i].add(step)
+                break
+    return Claims(found, fed, sources, requests)
+
+
+def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]], fed_steps: list[set[int]],
                      prompt_logprobs: bool = True) -> tuple[Counter[tuple[int, int]], Counter[int]]:  # fmt: skip
-    """The logits calls the plan assumes, (step, rows) -> count, and the requests each step samples for (a request's
-    prompt-log-prob call only where the engine was asked for prompt log-probs)."""
+    """The logits calls the plan assumes, (step, rows) -> count, and the requests each step samples for: each request
+    that fed rows in the step (a chunk of a prompt too; rows a prefix-cache hit gave it are no request of that step),
+    a request's prompt-log-prob call only where the engine was asked for prompt log-probs."""
     predicted: Counter[tuple[int, int]] = Counter()
     requests: Counter[int] = Counter()
-    for s, found in zip(sequences, step_of, strict=True):
-        for step in set(f for f in found if f is not None):
+    for s, found, fed in zip(sequences, step_of, fed_steps, strict=True):
+        for step in fed:
             requests[step] += 1
             prompt_rows = sum(1 for q, f in enumerate(found) if f == step and q < s.prompt_len - 1)
             if prompt_rows and prompt_logprobs:
@@ -113,7 +150,8 @@ def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]],
 def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str | None:
     """None when the recorded logits computations are the ones the plan assumes, else what differs."""
     steps = _steps(engine)
-    predicted, _ = _predicted_calls(sequences, steps_of(sequences, steps), bool(engine.get("prompt_logprobs", True)))
+    claims = _claimed(sequences, steps)
+    predicted, _ = _predicted_calls(sequences, claims.steps, claims.fed, bool(engine.get("prompt_logprobs", True)))
     recorded = Counter((int(a), int(b)) for a, b in engine.get("logits_calls") or [])
     if recorded == predicted:
         return None
@@ -128,14 +166,15 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
     (``with_logits=False``: the body's rows only, the logits plan left at 0); ``tiling``: each row's KV tiles too,
     as the engine's attention placed them in the step that computed the row."""
     steps = _steps(engine)
-    step_of = steps_of(sequences, steps)
+    claims = _claimed(sequences, steps)
+    step_of, fed_steps = claims.steps, claims.fed
     differs = check_logits_calls(sequences, engine) if with_logits else None
     if differs is not None:
         raise PrecisionError(
             f"the engine's row plan cannot be followed: {differs}. Roll out again with fx-precision rollout of this version"
         )
     prompt_logprobs = bool(engine.get("prompt_logprobs", True))
-    _, requests = _predicted_calls(sequences, step_of, prompt_logprobs)
+    _, requests = _predicted_calls(sequences, step_of, fed_steps, prompt_logprobs)
     plans = []
     for s, found in zip(sequences, step_of, strict=True):
         body = tuple(len(steps[f]) if f is not None else 0 for f in found)
@@ -151,7 +190,7 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
                 logits.append(requests[step])
         plans.append(RowPlan(body, tuple(logits)))
     if tiling is not None:
-        tiles = kv_tiles_of(sequences, steps, step_of, tiling)
+        tiles = kv_tiles_of(sequences, steps, claims, tiling)
         plans = [RowPlan(p.body, p.logits, t) for p, t in zip(plans, tiles, strict=True)]
     return plans
 
@@ -184,27 +223,22 @@ def step_requests(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) 
     return out
 
 
-def kv_tiles_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], step_of: list[list[int | None]],
+def kv_tiles_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], claims: Claims,
                 tiling: KvTiling) -> list[tuple[RowTiles, ...]]:  # fmt: skip
-    """Per sequence, per row: how the engine step that computed it took its keys (split-KV parts, KV tiles), its
-    request there the one that ends where the sequence's rows of that step end (one tile where no step computed it)."""
+    """Per sequence, per row: how the engine step that computed it took its keys (split-KV parts, KV tiles), in the
+    request that computed the row (``claims``: the sequence's own, or for a prefix-cache hit the request of the
+    sequence it read; the engine splits KV per request, by its place among the threads' work); one tile where no step
+    computed a row."""
     requests = step_requests(sequences, steps)
     per_step = [tiling.query_row_tiles(r) for r in requests]
     out = []
-    for found in step_of:
+    for i, found in enumerate(claims.steps):
         tiles: list[RowTiles] = []
-        span: dict[int, tuple[int, int]] = {}  # step -> the first and last row of this sequence it computed
-        for r, step in enumerate(found):
-            if step is not None:
-                span[step] = (span.get(step, (r, r))[0], r)
         for r, step in enumerate(found):
             if step is None:
                 tiles.append(ONE_TILE)
                 continue
-            first, last = span[step]
-            index = next((i for i, (q, keys) in enumerate(requests[step]) if keys == last + 1 and keys - q == first), None)
-            if index is None:
-                index = next((i for i, (q, keys) in enumerate(requests[step]) if keys - q <= r < keys), None)
+            index = claims.requests[claims.sources[i][r]].get(step)
             if index is None:
                 raise PrecisionError(f"engine rows: row {r} of a sequence is in no request of engine step {step}; roll out again")
             q, keys = requests[step][index]

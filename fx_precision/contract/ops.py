@@ -410,6 +410,30 @@ def _unrounded_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
 unrounded_residual.register_autograd(_unrounded_backward, setup_context=_unrounded_setup)
 
 
+@torch.library.custom_op("fxp_engine::stored", mutates_args=())
+def stored(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``x`` rounded to ``dtype`` as a tensor the engine keeps in memory (its bf16 weights, its rotary tables). A cast
+    in the graph would do the same in eager mode, but Inductor drops a narrowing cast whose value a fused kernel widens
+    again (without emulate_precision_casts, as a compiled engine runs it): behind this op the rounding stays."""
+    return x.to(dtype).clone() if x.dtype == dtype else x.to(dtype)
+
+
+@stored.register_fake
+def _(x, dtype):
+    return torch.empty(x.shape, dtype=dtype, device=x.device)
+
+
+def _stored_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+    ctx.dtype = inputs[0].dtype
+
+
+def _stored_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+    return grad.to(ctx.dtype), None  # as x.to(dtype)'s: the rounding passes gradients straight through
+
+
+stored.register_autograd(_stored_backward, setup_context=_stored_setup)
+
+
 # ---------------------------------------------------------------------------------------------
 # math the engine runs as torch's eager kernels: reductions and transcendental functions
 # ---------------------------------------------------------------------------------------------

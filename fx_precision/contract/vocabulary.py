@@ -40,12 +40,14 @@ class Rounding(TextEnum):
 class NormForm(TextEnum):
     FUSED_ADD = "fused-add"  # the fp32 sum of the residual add (vLLM's fused_add_rms_norm); the stream keeps its rounding
     PLAIN = "plain"  # the sum the model rounded itself (Granite's residual multiplier)
+    INDUCTOR = "inductor"  # the compiled engine: the residual stream kept fp32, the norm's product stored once (Inductor's fusion)
 
 
 class RotaryForm(TextEnum):
     KERNEL = "kernel"  # fp32 math from bf16 operands, one store at the kernel's rounding
     NATIVE = "native"  # torch's forms, as transformers writes them: nothing to rewrite
     NONE = "none"  # the model has no rotary
+    INDUCTOR = "inductor"  # the compiled engine: fp32 math of the unrounded q / k norm output, one nearest-even store
 
 
 class Scores(TextEnum):

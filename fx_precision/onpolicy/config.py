@@ -37,6 +37,7 @@ class OnPolicyConfig:
     engine: str = "vllm"
     engine_python: str | None = None
     engine_threads: int = 1
+    engine_launch: str = "eager"  # "defaults": the engine as users launch it (compiled; the contract follows it compiled)
     engine_timeout: float = 300.0  # seconds: the base of every engine call's limit (engines/client.EngineTimeouts)
     replay_routes: bool = False  # an MoE model: the trainer routes every token to the engine's experts (routes.py)
     modules: bool = False  # strict mode: the stopping step's dump records the engine's modules (the first origin)
@@ -54,6 +55,15 @@ class OnPolicyConfig:
             raise PrecisionError(
                 "--replay-routes replays the engine's routes on the trainer as users run it; the contract does not follow an MoE "
                 "model's experts yet: pass --contract none"
+            )
+        if self.engine_launch not in ("eager", "defaults"):
+            raise PrecisionError(f"--engine-launch {self.engine_launch!r}: one of eager, defaults")
+        if self.engine_launch == "defaults" and self.contract != "none":
+            from fx_precision.backend import COMPILED_ENGINE_UNITS
+
+            raise PrecisionError(
+                f"--engine-launch defaults with --contract {self.contract}: {COMPILED_ENGINE_UNITS}, and the loop's trainer is FSDP2; "
+                "run with --contract none to measure the gap, or --engine-launch eager"
             )
         if self.mode not in MODES:
             raise PrecisionError(f"--mode {self.mode!r}: one of {', '.join(MODES)}")

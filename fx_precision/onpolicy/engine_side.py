@@ -1,7 +1,8 @@
 """Rank 0's engine in the on-policy loop: a live engine in its own process, the weights it runs, step 0's contract.
 
 EngineSide(cfg, python, root, vocab)    the engine started on the run's checkpoint (engines/client.EngineProcess),
-│                                       the positions the run needs, processed log-probs, split-KV off
+│                                       the positions the run needs, processed log-probs, split-KV off, launched
+│                                       eager or at its defaults (--engine-launch)
 ├── sync(weights) -> digest             the trainer's bf16 weights loaded in place; the engine's digest of what it
 │                                       loaded must be the trainer's
 ├── fixed_logprobs() -> digest          one fixed sequence's prompt log-probs: they change when the weights do
@@ -40,7 +41,7 @@ class EngineSide:
         rollout = RolloutConfig(
             model=cfg.checkpoint, prompts=cfg.step_prompts(vocab, 0), engine=cfg.engine, max_tokens=cfg.max_tokens, seed=cfg.seed,
             temperature=cfg.temperature, samples=cfg.samples, threads=cfg.engine_threads, split_kv="off", logprobs="processed",
-            max_model_len=cfg.engine_positions(),
+            max_model_len=cfg.engine_positions(), launch=cfg.engine_launch, prompt_logprobs=cfg.engine_launch == "eager",
         )  # fmt: skip
         self.process = EngineProcess(python, rollout, root / "engine.log", EngineTimeouts(float(cfg.engine_timeout)))
         self.weights: dict[str, torch.Tensor] = {}
@@ -67,7 +68,8 @@ class EngineSide:
 
     def rollout(self, prompts: tuple[tuple[int, ...], ...], step: int) -> StepData:
         cfg = self.cfg
-        request = SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples, top_k=cfg.top_k, top_p=cfg.top_p)
+        prompt_logprobs = cfg.engine_launch == "eager"  # at the engine's defaults none: as users sample
+        request = SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples, prompt_logprobs, top_k=cfg.top_k, top_p=cfg.top_p)
         self._last = self.process.generate(request)
         g = self._last
         routes = {k: g.extra[k] for k in ("moe", "routes", "routes_missing") if k in g.extra} or None

@@ -254,7 +254,7 @@ def recompute(r: Rank, s: StepState) -> None:
     from fx_precision.training_side import compile_limits
 
     data = s.data
-    engine = {"steps": data.steps, "logits_calls": data.logits_calls}
+    engine = {"steps": data.steps, "logits_calls": data.logits_calls, "prompt_logprobs": r.cfg.engine_launch == "eager"}
     plans = row_plans(data.sequences, engine, tiling=data.contract.kv_tiling) if data.contract else None
     orders = data.contract.linears if data.contract is not None else None
     s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.micro_batch, r.cfg.longest())
@@ -346,7 +346,7 @@ def certify_step(r: Rank, s: StepState) -> None:
     if not r.lead:
         return
     recomputed = {i: v for part in gathered for i, v in part[0].items()}
-    found = certify(s.data, recomputed, {i: v for part in gathered for i, v in part[1].items()})
+    found = certify(s.data, recomputed, {i: v for part in gathered for i, v in part[1].items()}, r.cfg.engine_launch == "eager")
     loss = sum(part[2] for part in gathered)
     samples = r.cfg.samples
     signal = sum(1 for g in range(0, len(s.rewards), samples) if len(set(s.rewards[g : g + samples])) > 1)

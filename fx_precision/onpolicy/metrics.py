@@ -70,9 +70,10 @@ def _bits(x: torch.Tensor) -> torch.Tensor:
     return x.contiguous().view(torch.int32)
 
 
-def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, torch.Tensor]) -> Certificate:
+def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, torch.Tensor], prompt_recorded: bool = True) -> Certificate:
     """Bit patterns of the sampled tokens' log-probs: rollout vs recompute vs the first training forward (``data``: the
-    step's sequences and the engine's log-probs); prompt tokens (rollout vs recompute) counted apart."""
+    step's sequences and the engine's log-probs); prompt tokens (rollout vs recompute) counted apart, where the engine
+    was asked for them (``prompt_recorded``; else none is counted: not recorded is never "equal" nor a mismatch)."""
     from fx_precision.onpolicy.grpo import ratio_stats
 
     tokens = prompt_tokens = m_rec = m_fwd = m_all = m_prompt = non_finite = 0
@@ -96,7 +97,7 @@ def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, to
         if first is None and bool(bad.any()):
             t = int(bad.nonzero()[0, 0])
             first = FirstMismatch(i, s.prompt_len + t, int(s.tokens[s.prompt_len + t]), float(e[t]), float(r[t]), float(f[t]))
-        pe, pr = engine[: s.prompt_len - 1], rec[: s.prompt_len - 1]
+        pe, pr = (engine[: s.prompt_len - 1], rec[: s.prompt_len - 1]) if prompt_recorded else (engine[:0], rec[:0])
         prompt_tokens += int(pe.numel())
         m_prompt += int(((_bits(pe) != _bits(pr)) | ~(torch.isfinite(pe) & torch.isfinite(pr))).sum())
         train_all.append(f[finite])

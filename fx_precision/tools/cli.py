@@ -801,10 +801,11 @@ def _rollout_parser(sub: Any) -> None:
         "the engine contract follows either (each row's split-KV parts and KV tiles, as the engine's scheduler placed them)",
     )
     p.add_argument(
-        "--launch", choices=["defaults", "eager"], default="eager",
-        help="how vLLM is launched: defaults (as users launch it: LLM(model, dtype=bfloat16, seed=S), compile on, prefix "
-        "caching, chunked prefill, its cores; the contract refuses it, naming why) or eager (enforce_eager, no prefix "
-        "caching, 1 thread: the engine the contract follows). Either way the rollout sets, for its own needs: the engine in "
+        "--launch", choices=["defaults", "eager"], default="defaults",
+        help="how vLLM is launched: defaults (the default, as users launch it: LLM(model, dtype=bfloat16, seed=S), compile "
+        "on, prefix caching, chunked prefill, its cores; the contract follows it on a training side compiled by Inductor, "
+        "compare --compiled) or eager (diagnosis: enforce_eager, no prefix caching, 1 thread, prompt log-probs). Either way "
+        "the rollout sets, for its own needs: the engine in "
         "this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), a KV cache of two sequences of its positions (at least 1 GiB), "
         "no thread binding, at most 8,192 positions, "
         "no tokenizer (token-id prompts); all recorded in the dump",
@@ -833,6 +834,7 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
         top_k=args.top_k, top_p=args.top_p,
         world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
         micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
+        engine_launch=args.engine_launch,
         engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite, replay_routes=args.replay_routes,
     )  # fmt: skip
     run = run_onpolicy(cfg)
@@ -919,6 +921,12 @@ def _onpolicy_parser(sub: Any) -> None:
         default=1,
         help="the engine's OpenMP threads (default 1; split-KV off)",
     )
+    p.add_argument(
+        "--engine-launch", choices=("eager", "defaults"), default="eager",
+        help="eager: the engine with enforce_eager and prefix caching off (default); defaults: as users launch it (compile on, "
+        "prefix caching, chunked prefill), with --contract none (the contract follows the compiled engine in one process, not "
+        "on the loop's FSDP2 trainer yet); the weight sync resets the prefix cache, so no step reads KV of an older policy",
+    )  # fmt: skip
     p.add_argument(
         "--engine-timeout", type=bounded_float("--engine-timeout", 1.0, 86400.0), default=300.0, metavar="SECONDS",
         help="the base of every engine call's time limit (default 300): probing and recording get 4x, starting 4x and at "

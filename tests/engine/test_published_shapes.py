@@ -43,7 +43,8 @@ def run(*args: str, threads: int | None = None) -> subprocess.CompletedProcess[s
 def shaped(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("published")
     checkpoint = write_shaped_checkpoint(CONFIG, root / "qwen3-0.6b", layers=2, seed=5)
-    run("rollout", "--model", str(checkpoint), "--prompt-lens", "11,97,1100", "--max-tokens", "8", "--modules", "--threads", "1",
+    run("rollout", "--launch", "eager",
+            "--model", str(checkpoint), "--prompt-lens", "11,97,1100", "--max-tokens", "8", "--modules", "--threads", "1",
         "--split-kv", "off", "--out", str(root / "dump"))  # fmt: skip
     return {"checkpoint": checkpoint, "dump": root / "dump"}
 

@@ -30,6 +30,7 @@ from fx_precision.contract import EngineContract, RotaryOp
 from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.batch_rows import attention_calls
 from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence
+from fx_precision.contract.inductor_build import inductor_build
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.probing import (
@@ -51,10 +52,14 @@ from fx_precision.errors import PrecisionError
 
 LAUNCHES = ("defaults", "eager")
 COMPILED_ENGINE = (
-    "the engine compiled its model with Inductor (vLLM's default; --launch defaults): inside its fused kernels bf16 roundings "
-    "are dropped (the residual stream stays fp32 across layers, a norm's output meets the rotary and an activation's output its "
-    "product unrounded), its norms sum in Inductor's vector order and its activations use Inductor's fp32 formula; the contract "
-    "follows the eager engine only: roll out with --launch eager"
+    "the engine compiled its model (vLLM's default; --launch defaults): the contract follows a compiled engine where vLLM's "
+    "native fused-add norm, neox rotary and activation run inside its Inductor graph (no custom op of theirs on); roll out with "
+    "--launch eager to compare against the eager engine"
+)
+COMPILED_MOE = (
+    "the compiled engine's MoE router (its softmax, top-k and renormalisation in Inductor's code) is not followed yet: roll out "
+    "with --launch eager (the contract follows the eager engine's router and experts), or compare without --contract, with "
+    "--replay-routes"
 )
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
@@ -303,6 +308,7 @@ class VllmSession:
             "launch": cfg.launch,
             "compilation_mode": str(self.llm.llm_engine.vllm_config.compilation_config.mode),
             "compiled": self.compiled,
+            "inductor": inductor_build() if self.compiled else None,
             "prefix_caching": bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
             "attention_backend": type(attn.impl).__name__ if attn is not None else None,
             "attention_isa": getattr(attn, "isa", None),
@@ -410,9 +416,8 @@ class VllmSession:
                                      (OpClass.ATTENTION, AttentionEvidence, self._attention_arith)):  # fmt: skip
             if op_class not in self._probed:
                 self._probed[op_class] = _never_fatal(op_class, kind, read, gen)
-        if self.compiled:  # the modules' eager forms are not what the compiled graph computes: not followed, said why
-            for op_class in (OpClass.ROTARY, OpClass.NORM, OpClass.EAGER_MATH):
-                self._probed[op_class] = (None, CandidateEvidence(why=COMPILED_ENGINE))
+        if self.compiled:  # the modules' eager forms are not what the compiled graph computes: Inductor's forms
+            self._probed.update(self._compiled_forms())
         rotary, rotary_found = self._probed[OpClass.ROTARY]
         norm, norm_found = self._probed[OpClass.NORM]
         attention, attention_found = _never_fatal(OpClass.ATTENTION, AttentionEvidence, self._attention_at_run, generation, gen)
@@ -424,12 +429,13 @@ class VllmSession:
         logprobs, logprob_found = match_logprobs(generation)
         evidence = ContractEvidence(
             attention_isa=self.info["attention_isa"], kernels=self.info["kernels"], cpu_family=self.info["cpu_family"],
-            rotary=rotary_found, norm=norm_found, eager_math=self._probed[OpClass.EAGER_MATH][1] if self.compiled else None,
+            rotary=rotary_found, norm=norm_found, eager_math=self._probed.get(OpClass.EAGER_MATH, (None, None))[1],
             attention=attention_found, linears=linear_found, logprobs=replace(logprob_found, mode=f"{self.cfg.logprobs}_logprobs"),
         )  # fmt: skip
         found_by_class: tuple[tuple[OpClass, Any, Any], ...] = (
             (OpClass.ROTARY, rotary, rotary_found), (OpClass.NORM, norm, norm_found),
-            (OpClass.EAGER_MATH, not self.compiled, evidence.eager_math), (OpClass.ATTENTION, attention, attention_found),
+            (OpClass.EAGER_MATH, self._probed.get(OpClass.EAGER_MATH, (True,))[0], evidence.eager_math),
+            (OpClass.ATTENTION, attention, attention_found),
             (OpClass.LINEARS, linear_found.followed(), linear_found), (OpClass.LOGPROBS, logprobs, logprob_found),
         )  # fmt: skip
         unmatched = tuple((op_class, str(found.why or "no candidate matched")) for op_class, value, found in found_by_class
@@ -437,11 +443,14 @@ class VllmSession:
         if OpClass.MOE not in self._probed:
             self._probed[OpClass.MOE] = _never_fatal(OpClass.MOE, CandidateEvidence, self._moe, gen)
         moe, moe_found = self._probed[OpClass.MOE]
+        if moe is not None and self.compiled:  # its router's softmax and top-k are Inductor's code there: not followed yet
+            moe, moe_found = None, CandidateEvidence(why=COMPILED_MOE)
         if moe is None and moe_found is not None:  # an MoE model whose experts the contract does not follow: said why
             unmatched += ((OpClass.MOE, str(moe_found.why or "no candidate matched")),)
         linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
-                              self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe)  # fmt: skip
+                              self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe,
+                              self.info["inductor"] if self.compiled else None)  # fmt: skip
 
     def _moe(self, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence | None]:
         """The engine's MoE layers read (contract/moe.py): (None, None) for a dense model; else its router and fused
@@ -451,6 +460,34 @@ class VllmSession:
         if not runners:
             return None, None
         return probe_moe(runners[0], self.config, gen)
+
+    def _compiled_forms(self) -> dict[OpClass, tuple[Any, CandidateEvidence]]:
+        """What the compiled engine computes between its extern calls (GEMMs, attention, experts): vLLM's native forms
+        through Inductor, when no custom op of the norm, the rotary or the activation is on (read off the engine's
+        compilation config); each refused with the reason otherwise."""
+        cc = self.llm.llm_engine.vllm_config.compilation_config
+        enabled = sorted(str(op) for op in cc.enabled_custom_ops)
+        details = {"compiler": str(cc.backend or "inductor"), "mode": str(cc.mode), "custom_ops_on": ", ".join(enabled) or "none",
+                   "inductor": self.info["inductor"]}  # fmt: skip
+        kernels = [op for op in enabled if op.split(".")[-1] in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")]
+        if kernels or str(cc.backend or "inductor") != "inductor":
+            why = f"{COMPILED_ENGINE} (custom ops on: {', '.join(kernels) or 'none'}; backend {cc.backend!r})"
+            return {c: (None, CandidateEvidence(why=why, details=details)) for c in (OpClass.ROTARY, OpClass.NORM, OpClass.EAGER_MATH)}
+        rope = first_module(self.model, "RotaryEmbedding")
+        if rope is None:
+            rotary, rotary_found = RotaryOp(RotaryForm.NONE, None), CandidateEvidence(kept="none", details=details)
+        elif not hasattr(rope, "cos_sin_cache") or not rope.is_neox_style:
+            rotary, rotary_found = None, CandidateEvidence(why=f"{COMPILED_ENGINE}: {type(rope).__name__} is not vLLM's neox rotary")
+        else:  # vLLM's rotary module, its native form compiled: the tables computed eagerly at load, the rotation in the graph
+            rotary, rotary_found = RotaryOp(RotaryForm.INDUCTOR, None), CandidateEvidence(kept="inductor", details=details)
+        if self._probed[OpClass.NORM][0] != NormForm.FUSED_ADD:  # a norm after the residual add the model writes itself
+            why = f"{COMPILED_ENGINE}: the model's norms are not vLLM's fused add and norm"
+            return {OpClass.NORM: (None, CandidateEvidence(why=why, details=details)), OpClass.ROTARY: (rotary, rotary_found)}
+        return {
+            OpClass.NORM: (NormForm.INDUCTOR, CandidateEvidence(kept=str(NormForm.INDUCTOR), details=details)),
+            OpClass.ROTARY: (rotary, rotary_found),
+            OpClass.EAGER_MATH: (True, CandidateEvidence(kept="the rotary tables only", details=details)),
+        }
 
     def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, CandidateEvidence]:
         rope = first_module(self.model, "RotaryEmbedding")

@@ -5,6 +5,8 @@ mean / sum / pow / exp / log / cos / sin / tanh / sigmoid / erf / silu / gelu on
 F.layer_norm                                                    approximate exp, cos, sin otherwise
 ->  fxp_engine.eager_layer_norm(...)
 rsqrt stays Inductor's: its code and torch's eager kernel are both IEEE 1 / sqrt(x) (a test holds this).
+A compiled engine (contract.inductor) runs all of it in its Inductor graph but its rotary tables (cos, sin,
+computed eagerly when it loads): only those are rewritten, the rest is left to the training side's Inductor.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from fx_precision.passes.graph.nodes import node_dtype, node_value
 from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn, record, replace_node
 
 EAGER_MATH = OpClass.EAGER_MATH
+COMPILED_ENGINE_EAGER = frozenset({"cos", "sin"})  # what a compiled engine still runs eagerly: its rotary tables, at load
 _F = torch.nn.functional
 # rsqrt stays Inductor's: its code and torch's eager kernel both compute 1 / sqrt(x) with IEEE division and
 # square root (at::vec rsqrt, or `1 / std::sqrt` on a tail; Inductor builds with -fno-unsafe-math-optimizations),
@@ -127,13 +130,15 @@ def engine_eager_math(contract: EngineContract) -> RewriteFn:
             )
         done = []
         for node in list(gm.graph.nodes):
-            if node.op == "call_function" and node.target is _F.layer_norm:
+            if node.op == "call_function" and node.target is _F.layer_norm and contract.inductor is None:
                 done += _eager_layer_norm(gm, node)
                 continue
             call = _eager_math_call(node)
             if call is None:
                 continue
             x, op, dims, keepdim, exponent = call
+            if contract.inductor is not None and op not in COMPILED_ENGINE_EAGER:
+                continue  # the compiled engine runs it in its Inductor graph, as the training side's Inductor will
             example = node.meta.get("example_value")
             build = functools.partial(_eager_call, gm, x, node, op, dims, keepdim, exponent)
             made = replace_node(gm.graph, node, build, EAGER_MATH)

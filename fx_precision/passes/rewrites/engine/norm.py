@@ -11,6 +11,15 @@ fused-add   the fp32 sum of the two bf16 operands (vLLM's fused_add_rms_norm); t
             The last two meet across a graph break (an FSDP2 unit boundary, blocks compiled one by one):
             the sum kept by the first graph is the one the second normalises.
 plain       the model's own rounded sum: nothing to rewrite
+inductor    the compiled engine (vLLM's native forms through Inductor): Inductor drops a bf16 rounding inside a
+            fused kernel, so the engine's residual stream stays fp32 from the embedding to the last norm, and a
+            norm's ``x.to(bf16) * weight`` is one fp32 product stored once. Written into the graph, so Inductor
+            fuses the training side the same way whatever it realises::
+
+    s = a + b   (a residual add)               ->  s = a.to(fp32) + b.to(fp32)       (every later add is fp32 too)
+    w * (x * rsqrt(mean(x**2) + eps)).to(bf16) ->  ((x * rsqrt(..)) * w.float()).to(bf16)
+                                                   (UNROUNDED: the rotary reads the fp32 product, as the
+                                                   engine's fused q / k norm and rotary do)
 unmatched   a graph with the pattern is refused with the probe's reason
 """
 
@@ -29,6 +38,8 @@ from fx_precision.passes.graph.nodes import module_path, node_dtype, node_value
 from fx_precision.passes.rewrites.engine.common import ADD, MUL, EngineRewrite, RewriteFn, is_call, reaches_output, record, replace_node
 
 NORM = OpClass.NORM
+UNROUNDED = "fxp_unrounded"  # meta key of a norm's bf16 output (inductor form): the fp32 product it rounds
+_NARROW = (torch.bfloat16, torch.float16)
 
 
 def _widening_cast(node: fx.Node) -> bool:
@@ -81,6 +92,68 @@ def _fp32_sum(graph: fx.Graph, a: fx.Node, b: fx.Node) -> fx.Node:
     return graph.call_function(operator.add, (graph.call_method("to", (a, torch.float32)), graph.call_method("to", (b, torch.float32))))
 
 
+def _narrowing(node: fx.Node) -> bool:
+    return node.op == "call_method" and node.target == "to" and node_dtype(node) in _NARROW
+
+
+def _scaled_rows(node: fx.Node) -> fx.Node | None:
+    """``node`` when it is ``x * rsqrt(mean(x ** 2) + eps)`` (either order)."""
+    if not is_call(node, MUL, "mul"):
+        return None
+    for r in node.args[:2]:
+        if is_call(r, torch.rsqrt, "rsqrt") and isinstance(r, fx.Node) and r.args:
+            added = r.args[0]
+            if isinstance(added, fx.Node) and is_call(added, ADD, "add") and any(is_call(a, torch.mean, "mean") for a in added.args):
+                return node
+    return None
+
+
+def _weighted_norms(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
+    """(out, scaled, weight) of every ``out = weight * scaled.to(narrow)`` (either order) after an RMS scaling."""
+    found = []
+    for node in graph.nodes:
+        if not is_call(node, MUL, "mul") or len(node.args) != 2 or node.kwargs:
+            continue
+        for cast, weight in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+            if isinstance(cast, fx.Node) and _narrowing(cast) and isinstance(weight, fx.Node) and len(cast.users) == 1:
+                scaled = cast.args[0]
+                if isinstance(scaled, fx.Node) and _scaled_rows(scaled) is not None:
+                    found.append((node, scaled, weight))
+                    break
+    return found
+
+
+def _inductor_norms(gm: fx.GraphModule, contract: EngineContract) -> list[EngineRewrite]:
+    """The inductor form (module docstring): the residual stream in fp32, each weighted norm one fp32 product."""
+    graph = gm.graph
+    fused = [add for n in graph.nodes if (add := _widening_cast_of_add(n)) is not None and _feeds_mean_of_squares(n)]
+    leaving = [n for n in graph.nodes if n.op == "call_function" and is_call(n, ADD) and _narrow_pair(n) and reaches_output(n)]
+    norms = _weighted_norms(graph)
+    done = []
+    for add in dict.fromkeys(fused + leaving):
+        a, b = (x for x in add.args[:2] if isinstance(x, fx.Node))  # _narrow_pair / _widening_cast_of_add: two nodes
+        made = replace_node(graph, add, functools.partial(_fp32_sum, graph, a, b), NORM)
+        done.append(record(NORM, made, add, "the residual stream in fp32, as the compiled engine keeps it"))
+    for out, scaled, weight in norms:
+        cast = next(a for a in out.args if isinstance(a, fx.Node) and a is not weight)
+        narrow = node_dtype(cast) or torch.bfloat16  # the norm's input dtype, which the engine stores its output in
+
+        def build(scaled: fx.Node = scaled, weight: fx.Node = weight, narrow: torch.dtype = narrow) -> fx.Node:
+            product = graph.call_function(operator.mul, (scaled, graph.call_method("to", (weight, torch.float32))))
+            stored = graph.call_method("to", (product, narrow))
+            stored.meta[UNROUNDED] = product
+            return stored
+
+        example = out.meta.get("example_value")
+        made = replace_node(graph, out, build, NORM, erase=(out, cast))
+        if isinstance(example, torch.Tensor) and example.dtype == narrow:  # what later rewrites read of the node: same
+            made.meta["example_value"] = example
+        done.append(record(NORM, made, out, "the norm's fp32 product stored once, as the compiled engine's fused kernel"))
+    if done:
+        gm.recompile()
+    return done
+
+
 def fuse_add_norm(contract: EngineContract) -> RewriteFn:
     """The op class's rewrite for ``contract`` (module docstring)."""
 
@@ -91,6 +164,8 @@ def fuse_add_norm(contract: EngineContract) -> RewriteFn:
         leaving = [n for n in graph.nodes if n.op == "call_function" and is_call(n, ADD) and _narrow_pair(n) and reaches_output(n)]
         if contract.norm is None and (fused or taken):
             raise contract.refused(NORM, module_path(fused[0][0] if fused else taken[0]))
+        if contract.norm == NormForm.INDUCTOR:
+            return _inductor_norms(gm, contract)
         if contract.norm != NormForm.FUSED_ADD:
             return []
         done = []

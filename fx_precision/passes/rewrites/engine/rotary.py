@@ -5,6 +5,8 @@
                                                                     product of two bf16 values is exact, so
                                                                     Inductor may fuse it and the bits hold)
 ->  fxp_engine.rotary(x, cos, sin, rounding)                        kernel, truncating store: the op
+->  the same in the graph from the unrounded fp32 product of the     inductor: the compiled engine fuses its q / k norm
+    q / k norm where one feeds it (norm.UNROUNDED)                  and the rotary into one kernel
 native / none: nothing to rewrite; unmatched: a graph with the pattern is refused with the probe's reason
 """
 
@@ -23,6 +25,7 @@ from fx_precision.errors import PrecisionError
 from fx_precision.passes.context import PassContext
 from fx_precision.passes.graph.nodes import module_path, node_dtype, node_value, source_line
 from fx_precision.passes.rewrites.engine.common import ADD, MUL, EngineRewrite, RewriteFn, is_call, record, replace_node
+from fx_precision.passes.rewrites.engine.norm import UNROUNDED
 
 ROTARY = OpClass.ROTARY
 
@@ -78,7 +81,26 @@ def _rotary_parts(node: fx.Node) -> tuple[fx.Node, fx.Node, fx.Node] | None:
     return None
 
 
-def _rotation(gm: fx.GraphModule, x: fx.Node, cos: fx.Node, sin: fx.Node, rounding: Rounding) -> fx.Node:
+_VIEWS = ("transpose", "view", "reshape", "permute", "contiguous", "unsqueeze", "squeeze")
+
+
+def _unrounded(graph: fx.Graph, x: fx.Node) -> fx.Node | None:
+    """The fp32 product a norm's bf16 output rounds (norm.UNROUNDED), through the views between it and ``x``, rebuilt
+    on the product; None where ``x`` is not such an output."""
+    views: list[fx.Node] = []
+    node = x
+    while UNROUNDED not in node.meta:
+        if node.op != "call_method" or node.target not in _VIEWS or not node.args or not isinstance(node.args[0], fx.Node):
+            return None
+        views.append(node)
+        node = node.args[0]
+    value: fx.Node = node.meta[UNROUNDED]
+    for view in reversed(views):
+        value = graph.call_method(str(view.target), (value, *view.args[1:]), dict(view.kwargs))
+    return value
+
+
+def _rotation(gm: fx.GraphModule, x: fx.Node, cos: fx.Node, sin: fx.Node, rounding: Rounding, fused: bool = False) -> fx.Node:
     """The engine kernel's rotation written into the graph: ``x1*c - x2*s | x2*c + x1*s`` in fp32 from bf16
     operands (c, s: the first halves of cos, sin), one store to bf16. Each product of two bf16 values is exact
     in fp32, so whatever Inductor fuses or contracts into a multiply-add, the one rounding is the sum's: the
@@ -89,12 +111,17 @@ def _rotation(gm: fx.GraphModule, x: fx.Node, cos: fx.Node, sin: fx.Node, roundi
     def call(target: object, *args: object, method: bool = False) -> fx.Node:
         return graph.call_method(target, args) if method else graph.call_function(target, args)  # type: ignore[arg-type]
 
-    c16, s16 = call("to", cos, torch.bfloat16, method=True), call("to", sin, torch.bfloat16, method=True)
+    if fused:  # the compiled engine reads its bf16 tables from memory: a rounding Inductor must not drop
+        c16, s16 = (call(torch.ops.fxp_engine.stored.default, t, torch.bfloat16) for t in (cos, sin))
+    else:
+        c16, s16 = call("to", cos, torch.bfloat16, method=True), call("to", sin, torch.bfloat16, method=True)
     if rounding != Rounding.NEAREST_EVEN:
         return call(torch.ops.fxp_engine.rotary.default, x, c16, s16, rounding.code)
     width = node_value(x).shape[-1]
     half = width // 2
     x32, c32, s32 = (call("float", t, method=True) for t in (x, c16, s16))
+    if fused:  # the compiled engine: the rotary reads its q / k norm's fp32 product, never stored
+        x32 = _unrounded(graph, x) or x32
     first, second = (Ellipsis, slice(None, half)), (Ellipsis, slice(half, None))
     x1, x2 = call(operator.getitem, x32, first), call(operator.getitem, x32, second)
     c, s = call(operator.getitem, c32, first), call(operator.getitem, s32, first)
@@ -111,9 +138,10 @@ def engine_rotary(contract: EngineContract) -> RewriteFn:
         found = [(node, parts) for node in gm.graph.nodes if (parts := _rotary_parts(node)) is not None]
         if found and contract.rotary is None:
             raise contract.refused(ROTARY, module_path(found[0][0]))
-        if contract.rotary is None or contract.rotary.form != RotaryForm.KERNEL or contract.rotary.rounding is None:
+        if contract.rotary is None or contract.rotary.form not in (RotaryForm.KERNEL, RotaryForm.INDUCTOR):
             return []
-        rounding = contract.rotary.rounding
+        fused = contract.rotary.form == RotaryForm.INDUCTOR
+        rounding = contract.rotary.rounding if contract.rotary.rounding is not None else Rounding.NEAREST_EVEN
         done = []
         for node, (x, cos, sin) in found:
             if node_dtype(x) != torch.bfloat16:
@@ -121,7 +149,7 @@ def engine_rotary(contract: EngineContract) -> RewriteFn:
                     f"engine contract: rotary at {module_path(node) or '<root>'} ({source_line(node) or node.name}) rotates a "
                     f"{dtype_name(node_dtype(x))} tensor; the engine's kernel takes bf16. Run under bf16 autocast with bf16 gathers"
                 )
-            made = replace_node(gm.graph, node, functools.partial(_rotation, gm, x, cos, sin, rounding), ROTARY, erase=())
+            made = replace_node(gm.graph, node, functools.partial(_rotation, gm, x, cos, sin, rounding, fused), ROTARY, erase=())
             done.append(record(ROTARY, made, x, f"rotary as the engine's kernel: fp32 math, one {rounding} store"))
         if done:
             gm.graph.eliminate_dead_code()

@@ -1,0 +1,139 @@
+"""The engine contract against vLLM as its users launch it (`rollout --launch defaults`), measured.
+
+    per checkpoint (--archs: tiny seeded; --shapes: tests/configs/NAME at --layers decoder layers)
+    ├── rollout     vLLM at its defaults: compile on (Inductor), prefix caching, chunked prefill, the machine's
+    │               cores; G samples of each prompt at temperature T, no prompt log-probs (as users sample)
+    └── compare     as-is (fp32 gather, bf16 autocast) eager | contract compiled (Inductor), in one process: the
+                    sampled tokens' log-probs, bitwise share and |delta|
+    step (--step NAME: a published shape)
+    └── step time   fwd+bwd of a compiled training step on a rollout's batch (2 prompts of 256 + 256 sampled:
+                    2 x 512), with the contract's rewrites (the compiled engine's forms, the row plan) and without
+
+Run from the main environment (the engine environment from ``python -m fx_precision.tools.engine_env``):
+
+    python benchmarks/engine_defaults.py --engine-python .venv-engine/bin/python \\
+        [--archs qwen3,llama,qwen2] [--shapes qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b] [--layers 2] [--step qwen3-0.6b]
+        (each compare runs in this process: the published shapes' long prompts want the machine's memory to themselves)
+        [--samples 4] [--temperature 1.0] [--json FILE]
+
+Prints a table; JSON with the machine, the versions and the command.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from engine_contract import CONFIGS, compare, step_times  # benchmarks/engine_contract.py
+from provenance import provenance  # benchmarks/provenance.py
+from tabulate import tabulate
+
+from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
+
+ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("as-is eager", ()),
+    ("contract compiled", ("--contract", "vllm", "--compiled")),
+)  # FSDP2 units are refused against the compiled engine (backend.COMPILED_ENGINE_UNITS): not a row yet
+
+
+def rollout_at_defaults(engine_python: str, checkpoint: Path, out: Path, args: argparse.Namespace, prompt_lens: str,
+                        samples: int, max_tokens: int) -> dict[str, Any]:  # fmt: skip
+    command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--launch", "defaults", "--model", str(checkpoint),
+               "--prompt-lens", prompt_lens, "--samples", str(samples), "--temperature", str(args.temperature), "--max-tokens",
+               str(max_tokens), "--seed", str(args.seed), "--out", str(out), "--overwrite", "--json"]  # fmt: skip
+    started = time.perf_counter()
+    done = subprocess.run(command, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        return {"error": (done.stderr.strip().splitlines() or ["?"])[-1][:300]}
+    data = json.loads(done.stdout)
+    info = data["engine"]
+    return {
+        "rollout_seconds": round(time.perf_counter() - started, 1),
+        "engine": f"vllm {info['version']} ({info['kernels']}, {info['threads']} threads, compiled {info['compiled']}, prefix caching "
+        f"{info['prefix_caching']})",
+        "contract_inductor": data["contract"].get("inductor"),
+    }
+
+
+def measure(name: str, checkpoint: Path, root: Path, args: argparse.Namespace, prompt_lens: str) -> list[dict[str, Any]]:
+    dump = root / f"dump-{name}"
+    engine = rollout_at_defaults(args.engine_python, checkpoint, dump, args, prompt_lens, args.samples, args.max_tokens)
+    base = {"checkpoint": name, "prompt_lens": prompt_lens, "samples": args.samples, "temperature": args.temperature, **engine}
+    if "error" in engine:
+        return [{**base, "row": "rollout"}]
+    rows = []
+    for row, flags in ROWS:
+        rows.append({**base, "row": row, **compare(checkpoint, dump, *flags)})
+        print(json.dumps(rows[-1]), flush=True)
+    return rows
+
+
+def measure_step(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    checkpoint = write_shaped_checkpoint(CONFIGS / name / "config.json", root / f"step-{name}", layers=args.step_layers, seed=args.seed,
+                                         overwrite=True)  # fmt: skip
+    dump = root / f"step-dump-{name}"
+    engine = rollout_at_defaults(args.engine_python, checkpoint, dump, args, "256,256", 1, 256)
+    row = {"checkpoint": f"{name} ({args.step_layers} layers)", "row": "step time", **engine}
+    if "error" in engine:
+        return row
+    return {**row, **step_times(checkpoint, dump, args.steps)}
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    body = []
+    for r in rows:
+        if r["row"] == "step time" and "error" not in r:
+            ratio = f"contract {r['contract']:.3f} s / plain {r['plain']:.3f} s = {r['ratio']:.2f}x"
+            body.append([r["checkpoint"], f"step (fwd+bwd, Inductor, batch {r['batch'][0]} x {r['batch'][1]})", "", ratio, "", ""])
+        elif "error" in r:
+            body.append([r["checkpoint"], r["row"], r.get("prompt_lens", ""), f"not run: {r['error']}", "", ""])
+        else:
+            bitwise = f"{r['generated_bitwise']:.1%} of {r['tokens']} ({r['sequences_bitwise']}/{r['sequences']} seq)"
+            body.append([r["checkpoint"], r["row"], r["prompt_lens"], bitwise, f"{r['max']:.2g}", f"{r['mean']:.2g}"])
+    return tabulate(body, headers=["checkpoint", "training side", "prompts", "sampled log-probs bitwise", "max |d|", "mean |d|"])
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engine-python", required=True, help="the engine environment's python")
+    parser.add_argument("--archs", default="qwen3,llama,qwen2", help="tiny seeded checkpoints ('' for none)")
+    parser.add_argument("--arch-prompt-lens", default="7,300,1500,1500", help="the tiny checkpoints' prompts (2,048 positions)")
+    parser.add_argument("--shapes", default="qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b", help="published shapes ('' for none)")
+    parser.add_argument("--shape-prompt-lens", default="7,300,1500,3000", help="the published shapes' prompts")
+    parser.add_argument("--layers", type=int, default=2, help="decoder layers of the published shapes")
+    parser.add_argument("--step", default="qwen3-0.6b", help="the published shape of the step time ('' for none)")
+    parser.add_argument("--step-layers", type=int, default=3)
+    parser.add_argument("--steps", type=int, default=5, help="timed steps (after two warm-up steps)")
+    parser.add_argument("--samples", type=int, default=4)
+    parser.add_argument("--temperature", type=float, default=1.0)
+    parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--json", metavar="FILE", help="write the rows and their provenance here")
+    args = parser.parse_args(argv)
+    rows: list[dict[str, Any]] = []
+    started = time.perf_counter()
+    with tempfile.TemporaryDirectory(prefix="fxp-engine-defaults-") as tmp:
+        root = Path(tmp)
+        for arch in filter(None, args.archs.split(",")):
+            checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=args.seed, overwrite=True)
+            rows += measure(f"tiny {arch}", checkpoint, root, args, args.arch_prompt_lens)
+        for shape in filter(None, args.shapes.split(",")):
+            checkpoint = write_shaped_checkpoint(CONFIGS / shape / "config.json", root / f"ckpt-{shape}", layers=args.layers,
+                                                 seed=args.seed, overwrite=True)  # fmt: skip
+            rows += measure(f"{shape} ({args.layers} layers)", checkpoint, root, args, args.shape_prompt_lens)
+        if args.step:
+            rows.append(measure_step(args.step, root, args))
+    print(table(rows))
+    if args.json:
+        out = {**provenance(), "minutes": round((time.perf_counter() - started) / 60, 1), "rows": rows}
+        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
