@@ -96,16 +96,15 @@ def _narrowing(node: fx.Node) -> bool:
     return node.op == "call_method" and node.target == "to" and node_dtype(node) in _NARROW
 
 
-def _scaled_rows(node: fx.Node) -> fx.Node | None:
-    """``node`` when it is ``x * rsqrt(mean(x ** 2) + eps)`` (either order)."""
+def _is_rms_scaling(node: fx.Node) -> bool:
+    """``node`` is ``x * rsqrt(mean(x ** 2) + eps)`` (either order)."""
     if not is_call(node, MUL, "mul"):
-        return None
+        return False
     for r in node.args[:2]:
-        if is_call(r, torch.rsqrt, "rsqrt") and isinstance(r, fx.Node) and r.args:
-            added = r.args[0]
-            if isinstance(added, fx.Node) and is_call(added, ADD, "add") and any(is_call(a, torch.mean, "mean") for a in added.args):
-                return node
-    return None
+        added = r.args[0] if isinstance(r, fx.Node) and is_call(r, torch.rsqrt, "rsqrt") and r.args else None
+        if isinstance(added, fx.Node) and is_call(added, ADD, "add") and any(is_call(a, torch.mean, "mean") for a in added.args):
+            return True
+    return False
 
 
 def _weighted_norms(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
@@ -117,7 +116,7 @@ def _weighted_norms(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
         for cast, weight in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
             if isinstance(cast, fx.Node) and _narrowing(cast) and isinstance(weight, fx.Node) and len(cast.users) == 1:
                 scaled = cast.args[0]
-                if isinstance(scaled, fx.Node) and _scaled_rows(scaled) is not None:
+                if isinstance(scaled, fx.Node) and _is_rms_scaling(scaled):
                     found.append((node, scaled, weight))
                     break
     return found
