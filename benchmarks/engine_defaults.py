@@ -3,18 +3,21 @@
     per checkpoint (--archs: tiny seeded; --shapes: tests/configs/NAME at --layers decoder layers)
     ├── rollout     vLLM at its defaults: compile on (Inductor), prefix caching, chunked prefill, the machine's
     │               cores; G samples of each prompt at temperature T, no prompt log-probs (as users sample)
-    └── compare     as-is (fp32 gather, bf16 autocast) eager | contract compiled (Inductor), in one process: the
-                    sampled tokens' log-probs, bitwise share and |delta|
+    └── compare     as-is (fp32 gather, bf16 autocast) eager | contract compiled (Inductor), in one process | the
+                    same on FSDP2 x 2: the sampled tokens' log-probs, bitwise share and |delta|
     step (--step NAME: a published shape)
     └── step time   fwd+bwd of a compiled training step on a rollout's batch (2 prompts of 256 + 256 sampled:
                     2 x 512), with the contract's rewrites (the compiled engine's forms, the row plan) and without
+    on-policy (--onpolicy-steps N: a tiny --onpolicy-arch checkpoint)
+    └── the loop    `onpolicy --engine-launch defaults`, FSDP2 x 2, compiled, G = --samples at T = 0.7: --contract vllm
+                    and --contract none, mismatched sampled tokens and the median step of each
 
 Run from the main environment (the engine environment from ``python -m fx_precision.tools.engine_env``):
 
     python benchmarks/engine_defaults.py --engine-python .venv-engine/bin/python \\
         [--archs qwen3,llama,qwen2] [--shapes qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b] [--layers 2] [--step qwen3-0.6b]
         (each compare runs in this process: the published shapes' long prompts want the machine's memory to themselves)
-        [--samples 4] [--temperature 1.0] [--json FILE]
+        [--onpolicy-steps 8] [--samples 4] [--temperature 1.0] [--json FILE]
 
 Prints a table; JSON with the machine, the versions and the command.
 """
@@ -38,7 +41,8 @@ from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_ch
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("as-is eager", ()),
     ("contract compiled", ("--contract", "vllm", "--compiled")),
-)  # FSDP2 units are refused against the compiled engine (backend.COMPILED_ENGINE_UNITS): not a row yet
+    ("contract compiled, FSDP2 x2", ("--contract", "vllm", "--compiled", "--world-size", "2")),
+)
 
 
 def rollout_at_defaults(engine_python: str, checkpoint: Path, out: Path, args: argparse.Namespace, prompt_lens: str,
@@ -84,10 +88,32 @@ def measure_step(name: str, root: Path, args: argparse.Namespace) -> dict[str, A
     return {**row, **step_times(checkpoint, dump, args.steps)}
 
 
+def measure_onpolicy(root: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The on-policy loop against the engine at its defaults, with the contract and as users run it (module docstring)."""
+    from onpolicy import row as loop_row  # benchmarks/onpolicy.py
+
+    from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
+
+    checkpoint = write_tiny_checkpoint(args.onpolicy_arch, root / "ckpt-onpolicy", seed=5, overwrite=True)
+    runs = {}
+    for contract in ("vllm", "none"):
+        cfg = OnPolicyConfig(checkpoint=str(checkpoint), out=str(root / f"onpolicy-{contract}"), steps=args.onpolicy_steps,
+                             samples=args.samples, temperature=0.7, world_size=2, compiled=True, contract=contract, mode="audit",
+                             engine_python=args.engine_python, engine_launch="defaults")  # fmt: skip
+        runs[contract] = run_onpolicy(cfg)
+    ratio = runs["vllm"].median_seconds("step") / runs["none"].median_seconds("step")
+    name = f"tiny {args.onpolicy_arch}"
+    return [{"checkpoint": name, "row": "on-policy step", **loop_row(run), "step_ratio": round(ratio, 4)} for run in runs.values()]
+
+
 def table(rows: list[dict[str, Any]]) -> str:
     body = []
     for r in rows:
-        if r["row"] == "step time" and "error" not in r:
+        if r["row"] == "on-policy step":
+            loop = f"{r['steps without mismatch']} of {r['steps']} steps without a mismatch ({r['mismatched tokens']} tokens differ)"
+            timing = f"median step {r['step s (median)']} s (contract / none {r['step_ratio']:.2f}x)"
+            body.append([r["checkpoint"], f"on-policy loop, --contract {r['contract']}, FSDP2 x2", "", loop, timing, ""])
+        elif r["row"] == "step time" and "error" not in r:
             ratio = f"contract {r['contract']:.3f} s / plain {r['plain']:.3f} s = {r['ratio']:.2f}x"
             body.append([r["checkpoint"], f"step (fwd+bwd, Inductor, batch {r['batch'][0]} x {r['batch'][1]})", "", ratio, "", ""])
         elif "error" in r:
@@ -113,6 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--onpolicy-steps", type=int, default=8, help="steps of each on-policy run (0: none)")
+    parser.add_argument("--onpolicy-arch", default="qwen3", help="the on-policy runs' tiny checkpoint")
     parser.add_argument("--json", metavar="FILE", help="write the rows and their provenance here")
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
@@ -128,6 +156,8 @@ def main(argv: list[str] | None = None) -> int:
             rows += measure(f"{shape} ({args.layers} layers)", checkpoint, root, args, args.shape_prompt_lens)
         if args.step:
             rows.append(measure_step(args.step, root, args))
+        if args.onpolicy_steps:
+            rows += measure_onpolicy(root, args)
     print(table(rows))
     if args.json:
         out = {**provenance(), "minutes": round((time.perf_counter() - started) / 60, 1), "rows": rows}

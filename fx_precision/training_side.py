@@ -5,7 +5,8 @@
                 sync), or what ``cfg.model()`` builds (compare's built-in zoo sides); under a contract that follows MoE
                 experts, transformers' batched_mm experts (each MoE block one graph)
     2 policy    ``cfg.policy(model)`` (gather / compute / rules), or, following an engine contract, the contract's:
-                gather bf16, compute bf16, the contract's graph rewrites in the backend (``contract_policy``)
+                gather bf16, compute bf16, the contract's graph rewrites in the backend (``contract_policy``); a compiled
+                engine's norm sums bound to the model's norm modules (contract/inductor_norms.py)
     3 plan      the policy lowered onto the model (per-layer units under FSDP2)
     4 eager fix with ``cfg.eager_fix``: the backend's casts derived on ``cfg.example_ids`` (fxp.eager_casts), before
                 the shard (they are read from the unsharded model)
@@ -216,7 +217,14 @@ def _experts_in_one_graph(model: nn.Module) -> None:
 
 def _policy(side: TrainingSide) -> TrainingSide:
     policy = side.cfg.policy(side.model)
-    side.policy = contract_policy(policy, side.cfg.contract) if side.cfg.contract is not None else policy
+    contract = side.cfg.contract
+    if contract is not None and contract.norm_reductions is not None:  # the compiled engine's norm sums, bound to the modules
+        from fx_precision.contract.inductor_norms import bind_norm_modules, register_norm_orders
+
+        bound = bind_norm_modules(contract.norm_reductions, side.model)
+        register_norm_orders(side.model, bound)
+        contract = replace(contract, norm_reductions=bound)
+    side.policy = contract_policy(policy, contract) if contract is not None else policy
     return side
 
 

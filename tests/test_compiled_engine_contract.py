@@ -28,8 +28,9 @@ HEADS, HEAD_DIM, HIDDEN = 4, 32, 128
 
 @torch.library.custom_op("fxp_test::gemm", mutates_args=())
 def gemm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """A GEMM outside Inductor's graph (the engine's oneDNN call): bf16 in, bf16 out."""
-    return (x.float() @ w.float().t()).to(BF16)
+    """A GEMM outside Inductor's graph (the engine's oneDNN call): bf16 in (a wider x rounded first, as the contract's
+    linear takes it), bf16 out."""
+    return (x.to(BF16).float() @ w.float().t()).to(BF16)
 
 
 @gemm.register_fake
@@ -80,7 +81,7 @@ def _vllm_layer(emb: torch.Tensor, w: dict[str, torch.Tensor], cos_sin: torch.Te
             residual, hidden = hidden, _rms_norm(hidden, w[f"in{layer}"])
         else:
             hidden, residual = _fused_add_rms_norm(hidden, residual, w[f"in{layer}"])
-        q = _rms_norm(gemm(hidden, w["q"]).view(-1, HEADS, HEAD_DIM), w["q_norm"])
+        q = _rms_norm(gemm(hidden, w["q"]).view(-1, HEADS, HEAD_DIM), w[f"q_norm{layer}"])
         hidden = gemm(_rotary(q, cos, sin).view(-1, HIDDEN), w["o"])
         hidden, residual = _fused_add_rms_norm(hidden, residual, w[f"post{layer}"])
         gate_up = gemm(hidden, torch.cat((w["gate"], w["up"])))
@@ -105,20 +106,31 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     return torch.cat((-x[..., x.shape[-1] // 2 :], x[..., : x.shape[-1] // 2]), dim=-1)
 
 
-def _tf_layer(emb: torch.Tensor, w: dict[str, torch.Tensor], inv_freq: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+def _tf_block(hidden: torch.Tensor, layer: int, w: dict[str, torch.Tensor], cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    residual = hidden
+    hidden = _tf_rms(hidden, w[f"in{layer}"])
+    q = _tf_rms(gemm(hidden, w["q"]).view(-1, HEADS, HEAD_DIM), w[f"q_norm{layer}"])
+    q = q * cos + _rotate_half(q) * sin
+    hidden = residual + gemm(q.reshape(-1, HIDDEN), w["o"])
+    residual = hidden
+    hidden = _tf_rms(hidden, w[f"post{layer}"])
+    return residual + gemm(torch.nn.functional.silu(gemm(hidden, w["gate"])) * gemm(hidden, w["up"]), w["down"])
+
+
+def _tf_layer(emb: torch.Tensor, w: dict[str, torch.Tensor], inv_freq: torch.Tensor, positions: torch.Tensor,
+              units: bool = False) -> torch.Tensor:  # fmt: skip
+    """``units``: a graph break after the tables and after each layer (as FSDP2's unit hooks break a compiled model)."""
     freqs = positions.float()[:, None] * inv_freq[None, :]
     table = torch.cat((freqs, freqs), dim=-1)
     cos, sin = table.cos().to(BF16)[:, None, :], table.sin().to(BF16)[:, None, :]
-    hidden = emb
-    for layer in range(2):
-        residual = hidden
-        hidden = _tf_rms(hidden, w[f"in{layer}"])
-        q = _tf_rms(gemm(hidden, w["q"]).view(-1, HEADS, HEAD_DIM), w["q_norm"])
-        q = q * cos + _rotate_half(q) * sin
-        hidden = residual + gemm(q.reshape(-1, HIDDEN), w["o"])
-        residual = hidden
-        hidden = _tf_rms(hidden, w[f"post{layer}"])
-        hidden = residual + gemm(torch.nn.functional.silu(gemm(hidden, w["gate"])) * gemm(hidden, w["up"]), w["down"])
+    if not units:
+        hidden = _tf_block(_tf_block(emb, 0, w, cos, sin), 1, w, cos, sin)
+        return _tf_rms(hidden, w["final"])
+    torch._dynamo.graph_break()
+    hidden = _tf_block(emb, 0, w, cos, sin)
+    torch._dynamo.graph_break()
+    hidden = _tf_block(hidden, 1, w, cos, sin)
+    torch._dynamo.graph_break()
     return _tf_rms(hidden, w["final"])
 
 
@@ -129,18 +141,19 @@ def _weights(seed: int) -> dict[str, torch.Tensor]:
         return (torch.randn(*shape, generator=gen) * scale + offset).to(BF16)
 
     w = {name: rand(HIDDEN, offset=1.0, scale=0.1) for name in ("in0", "in1", "post0", "post1", "final")}
-    w |= {"q_norm": rand(HEAD_DIM, offset=1.0, scale=0.1), "q": rand(HIDDEN, HIDDEN), "o": rand(HIDDEN, HIDDEN)}
+    w |= {"q_norm0": rand(HEAD_DIM, offset=1.0, scale=0.1), "q_norm1": rand(HEAD_DIM, offset=1.0, scale=0.1)}
+    w |= {"q": rand(HIDDEN, HIDDEN), "o": rand(HIDDEN, HIDDEN)}
     return w | {"gate": rand(256, HIDDEN), "up": rand(256, HIDDEN), "down": rand(HIDDEN, 256)}
 
 
-def _tf_compiled(rewrite: bool):  # type: ignore[no-untyped-def]
+def _tf_compiled(rewrite: bool, contract: EngineContract | None = None):  # type: ignore[no-untyped-def]
     from torch._inductor.compile_fx import compile_fx
 
     from fx_precision.passes.rewrites.engine import fuse_add_norm
     from fx_precision.passes.rewrites.engine.eager_math import engine_eager_math
     from fx_precision.passes.rewrites.engine.rotary import engine_rotary
 
-    contract = _compiled_contract()
+    contract = contract or _compiled_contract()
 
     def backend(gm: torch.fx.GraphModule, example_inputs: list[torch.Tensor]):  # type: ignore[no-untyped-def]
         if rewrite:

@@ -39,6 +39,7 @@ from typing import Any
 
 from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
+from fx_precision.contract.inductor_norms import NormReduction
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
@@ -136,7 +137,7 @@ class RotaryOp:
 _FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
 # written by later versions only: a contract without kv_tiling takes one KV tile per row, one without moe read no experts,
 # one without inductor is of the eager engine
-_OPTIONAL = ("kv_tiling", "moe", "inductor")
+_OPTIONAL = ("kv_tiling", "moe", "inductor", "norm_reductions")
 
 
 @dataclass(frozen=True)
@@ -157,6 +158,7 @@ class EngineContract:
     kv_tiling: KvTiling | None = None  # where the engine's attention placed its KV tiles (None: one tile per row)
     moe: MoeKernel | None = None  # the engine's fused experts and router (None: a dense model, or unmatched says why)
     inductor: str | None = None  # the compiled engine's Inductor (contract/inductor_build.py; None: the eager engine)
+    norm_reductions: tuple[NormReduction, ...] | None = None  # the compiled engine's norms' sums, in call order (inductor_norms.py)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -185,6 +187,11 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.moe: a MoeKernel or None, got {type(self.moe).__name__}")
         if self.inductor is not None and (not isinstance(self.inductor, str) or not self.inductor):
             raise PrecisionError(f"EngineContract.inductor={self.inductor!r}: the compiled engine's Inductor build (a string) or null")
+        if self.norm_reductions is not None:
+            if not isinstance(self.norm_reductions, tuple) or not all(isinstance(r, NormReduction) for r in self.norm_reductions):
+                raise PrecisionError("EngineContract.norm_reductions: a tuple of NormReduction or None")
+            if self.inductor is None:
+                raise PrecisionError("EngineContract.norm_reductions: the compiled engine's norms, but EngineContract.inductor is null")
         missing = {OpClass.NORM: self.norm, OpClass.ROTARY: self.rotary, OpClass.ATTENTION: self.attention, OpClass.LOGPROBS: self.logprobs}
         for op_class, value in missing.items():
             if value is None and op_class not in self.why_unmatched():
@@ -207,6 +214,7 @@ class EngineContract:
     def describe(self) -> str:
         parts = [
             *([f"compiled by Inductor ({self.inductor})"] if self.inductor else []),
+            *([f"norm sums in the engine's order ({_lanes(self.norm_reductions)})"] if self.norm_reductions else []),
             f"norm {self.norm or 'unmatched'}",
             f"rotary {self.rotary.describe() if self.rotary else 'unmatched'}",
             f"attention {self.attention.describe() if self.attention else 'unmatched'}"
@@ -233,6 +241,7 @@ class EngineContract:
             "kv_tiling": self.kv_tiling.to_dict() if self.kv_tiling is not None else None,
             "moe": self.moe.to_dict() if self.moe is not None else None,
             "inductor": self.inductor,
+            "norm_reductions": [r.to_dict() for r in self.norm_reductions] if self.norm_reductions is not None else None,
         }
 
     @classmethod
@@ -258,6 +267,7 @@ class EngineContract:
                 kv_tiling=KvTiling.from_dict(data["kv_tiling"]) if data.get("kv_tiling") is not None else None,
                 moe=MoeKernel.from_dict(data["moe"]) if data.get("moe") is not None else None,
                 inductor=data.get("inductor"),
+                norm_reductions=_norm_reductions(data.get("norm_reductions")),
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
@@ -341,6 +351,21 @@ def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str
     if ambiguous:
         notes.append(f"the probe could not tell two summation orders apart for {', '.join(ambiguous[:3])}: the first was kept")
     return notes
+
+
+def _norm_reductions(data: Any) -> tuple[NormReduction, ...] | None:
+    if data is None:
+        return None
+    if not isinstance(data, list):
+        raise PrecisionError(f"contract.norm_reductions: a list or null, got {type(data).__name__}")
+    return tuple(NormReduction.from_dict(r) for r in data)
+
+
+def _lanes(reductions: tuple[NormReduction, ...]) -> str:
+    counts: dict[int, int] = {}
+    for r in reductions:
+        counts[r.lanes] = counts.get(r.lanes, 0) + 1
+    return ", ".join(f"{n} at {lanes} lanes" for lanes, n in sorted(counts.items()))
 
 
 def contract_of_dump(dump: Any) -> EngineContract:

@@ -58,12 +58,10 @@ class OnPolicyConfig:
             )
         if self.engine_launch not in ("eager", "defaults"):
             raise PrecisionError(f"--engine-launch {self.engine_launch!r}: one of eager, defaults")
-        if self.engine_launch == "defaults" and self.contract != "none":
-            from fx_precision.backend import COMPILED_ENGINE_UNITS
-
+        if self.engine_launch == "defaults" and self.contract != "none" and not self.compiled:
             raise PrecisionError(
-                f"--engine-launch defaults with --contract {self.contract}: {COMPILED_ENGINE_UNITS}, and the loop's trainer is FSDP2; "
-                "run with --contract none to measure the gap, or --engine-launch eager"
+                f"--engine-launch defaults with --contract {self.contract}: the engine compiles its model with Inductor and the "
+                "trainer computes the same only compiled by Inductor too: pass --compiled, or run --engine-launch eager"
             )
         if self.mode not in MODES:
             raise PrecisionError(f"--mode {self.mode!r}: one of {', '.join(MODES)}")

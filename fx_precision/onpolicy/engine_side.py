@@ -89,7 +89,7 @@ class EngineSide:
         if self.first_contract is None:
             self.first_contract = contract
         else:
-            for name in ("norm", "rotary", "attention", "logprobs", "eager_math", "moe"):
+            for name in ("norm", "rotary", "attention", "logprobs", "eager_math", "moe", "inductor", "norm_reductions"):
                 if getattr(contract, name) != getattr(self.first_contract, name):
                     raise PrecisionError(
                         f"step {step}: the engine's {name} is {getattr(contract, name)}, at step 0 {getattr(self.first_contract, name)}: "

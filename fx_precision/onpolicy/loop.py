@@ -320,9 +320,9 @@ def train(r: Rank, s: StepState) -> None:
                     continue
                 seq = data.sequences[i]
                 s.forward[i] = lp[row].detach().clone()
-                n = len(seq.tokens) - 1
-                rollout_lp[row, :n] = data.logprobs[i][:n]
-                weight[row, seq.prompt_len - 1 : n] = 1.0  # the sampled tokens: the loss's
+                n, first = len(seq.tokens) - 1, seq.prompt_len - 1
+                rollout_lp[row, first:n] = data.logprobs[i][first:n]  # the sampled tokens': the prompt's are NaN unless asked
+                weight[row, first:n] = 1.0  # the sampled tokens: the loss's
             adv = torch.tensor([float(advantages[i]) if i >= 0 else 0.0 for i in batch.index]).unsqueeze(1)
             per_token = grpo_token_loss(lp, rollout_lp.detach(), adv.expand_as(lp))
             loss = (per_token * weight).sum() * (r.world / max(1, generated))  # FSDP2 averages gradients over ranks

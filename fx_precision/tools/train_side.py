@@ -196,7 +196,7 @@ def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | Non
         if contract.inductor is not None:  # refused before any model is built (the backend checks it again on every graph)
             from fx_precision.backend import check_compiled_engine
 
-            check_compiled_engine(contract.inductor, cfg.inner_compiler(), cfg.world_size)
+            check_compiled_engine(contract.inductor, cfg.inner_compiler(), cfg.world_size, norm_orders=contract.norm_reductions is not None)
     return EngineRun(train_against(engine, replace(cfg, contract=contract)), engine, contract, notes)
 
 

@@ -4,10 +4,12 @@ logprobs=0), no prompt log-probs.
 
     the dump holds what vLLM's own API returns, launched so      (an independent script, bit for bit)
     the as-is comparison runs on the sampled tokens              (prompt tokens not recorded: left out, not "equal")
-    the contract follows the compiled engine, every sampled      (Inductor, in one process; Llama and Qwen3; prompts
-      log-prob bitwise                                             cut into chunks by the scheduler's token budget,
-                                                                   samples' prompts prefix-cache hits)
-    an eager training side, or FSDP2 units, are refused in one line before a model is built
+    the contract follows the compiled engine, every sampled      (Inductor, in one process and on FSDP2 x 2 with the
+      log-prob bitwise                                             norms' orders read off the engine's code; Llama and
+                                                                   Qwen3; prompts cut into chunks by the scheduler's
+                                                                   token budget, samples' prompts prefix-cache hits)
+    an eager training side, or FSDP2 units without the engine's norm orders (a dump written before they were read),
+      are refused in one line before a model is built
 """
 
 from __future__ import annotations
@@ -74,26 +76,41 @@ def test_as_is_the_sampled_tokens_are_compared_and_the_prompt_is_not_claimed(lau
     assert lp["generated"]["tokens"] == PROMPTS * SAMPLES * MAX_TOKENS and lp["generated"]["mean"] > 0
 
 
-def test_the_contract_follows_the_compiled_engine_on_every_sampled_token(launched: dict[str, Path]) -> None:
+@pytest.mark.parametrize("ranks", [(), ("--world-size", "2")], ids=["in-process", "fsdp2"])
+def test_the_contract_follows_the_compiled_engine_on_every_sampled_token(launched: dict[str, Path], ranks: tuple[str, ...]) -> None:
     dump = load_dump(str(launched["dump"]))
     steps = [len(rows) for rows in dump.engine["steps"]]
     assert steps[0] < sum(s.prompt_len for s in dump.sequences) and max(steps) <= 4096  # chunks and prefix-cache hits
     contract = dump.contract
     assert contract["norm"] == "inductor" and contract["rotary"]["form"] == "inductor" and not contract["unmatched"]
     assert contract["inductor"] and contract["inductor"].startswith("torch ")
+    layers = 2  # write_tiny_checkpoint's; each layer's norms, then the last: (q, k norms on Qwen3)
+    per_layer = 4 if "qwen3" in str(launched["checkpoint"]) else 2
+    sums = contract["norm_reductions"]
+    assert len(sums) == layers * per_layer + 1 and all(r["lanes"] % r["width"] == 0 and r["module"] is None for r in sums), sums
     report = json.loads(run("compare", "--model", str(launched["checkpoint"]), "--rollout", str(launched["dump"]), "--contract", "vllm",
-                            "--compiled", "--json").stdout)  # fmt: skip
+                            "--compiled", *ranks, "--json").stdout)  # fmt: skip
     lp = report["logprob"]
     assert lp["comparable"] and lp["generated"]["tokens"] == PROMPTS * SAMPLES * MAX_TOKENS, lp
     assert lp["generated"]["bitwise_share"] == 1.0, lp["generated"]
     assert all(s["bitwise"] for s in lp["sequences"]), lp["sequences"]
 
 
-@pytest.mark.parametrize(("flags", "named"), [((), "--compiled"), (("--compiled", "--world-size", "2"), "FSDP2")], ids=["eager", "fsdp2"])
+@pytest.mark.parametrize(("flags", "named", "orders"), [((), "--compiled", True), (("--compiled", "--world-size", "2"), "FSDP2", False)],
+                         ids=["eager", "fsdp2-without-orders"])  # fmt: skip
 def test_what_the_contract_does_not_follow_on_the_compiled_engine_is_refused_in_one_line(
-    launched: dict[str, Path], flags: tuple[str, ...], named: str
+    launched: dict[str, Path], flags: tuple[str, ...], named: str, orders: bool, tmp_path: Path
 ) -> None:
-    done = run("compare", "--model", str(launched["checkpoint"]), "--rollout", str(launched["dump"]), "--contract", "vllm", *flags,
+    dump = launched["dump"]
+    if not orders:  # the dump as a rollout before the norms' orders were read wrote it
+        import shutil
+
+        dump = tmp_path / "dump"
+        shutil.copytree(launched["dump"], dump)
+        manifest = json.loads((dump / "manifest.json").read_text())
+        manifest["contract"]["norm_reductions"] = None
+        (dump / "manifest.json").write_text(json.dumps(manifest))
+    done = run("compare", "--model", str(launched["checkpoint"]), "--rollout", str(dump), "--contract", "vllm", *flags,
                check=False)  # fmt: skip
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and named in last and "--launch eager" in last, last

@@ -31,6 +31,7 @@ from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.batch_rows import attention_calls
 from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence
 from fx_precision.contract.inductor_build import inductor_build
+from fx_precision.contract.inductor_norms import NormReduction, engine_norm_reductions
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.probing import (
@@ -309,6 +310,7 @@ class VllmSession:
             "compilation_mode": str(self.llm.llm_engine.vllm_config.compilation_config.mode),
             "compiled": self.compiled,
             "inductor": inductor_build() if self.compiled else None,
+            **self._norm_reductions(),
             "prefix_caching": bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
             "attention_backend": type(attn.impl).__name__ if attn is not None else None,
             "attention_isa": getattr(attn, "isa", None),
@@ -448,9 +450,22 @@ class VllmSession:
         if moe is None and moe_found is not None:  # an MoE model whose experts the contract does not follow: said why
             unmatched += ((OpClass.MOE, str(moe_found.why or "no candidate matched")),)
         linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
+        reductions = self.info.get("inductor_norms")
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
                               self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe,
-                              self.info["inductor"] if self.compiled else None)  # fmt: skip
+                              self.info["inductor"] if self.compiled else None,
+                              tuple(NormReduction.from_dict(r) for r in reductions) if self.compiled and reductions else None)  # fmt: skip
+
+    def _norm_reductions(self) -> dict[str, Any]:
+        """The compiled engine's norm reductions, read off the output code Inductor wrote for it (its compile cache:
+        contract/inductor_norms.py), or why they were not; nothing for the eager engine."""
+        if not self.compiled:
+            return {}
+        cache = getattr(self.llm.llm_engine.vllm_config.compilation_config, "local_cache_dir", None)
+        reductions, where = engine_norm_reductions(cache)
+        if reductions is None:
+            return {"inductor_norms": None, "inductor_norms_why": where}
+        return {"inductor_norms": [r.to_dict() for r in reductions], "inductor_code": where}
 
     def _moe(self, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence | None]:
         """The engine's MoE layers read (contract/moe.py): (None, None) for a dense model; else its router and fused
@@ -480,7 +495,8 @@ class VllmSession:
             rotary, rotary_found = None, CandidateEvidence(why=f"{COMPILED_ENGINE}: {type(rope).__name__} is not vLLM's neox rotary")
         else:  # vLLM's rotary module, its native form compiled: the tables computed eagerly at load, the rotation in the graph
             rotary, rotary_found = RotaryOp(RotaryForm.INDUCTOR, None), CandidateEvidence(kept="inductor", details=details)
-        if self._probed[OpClass.NORM][0] != NormForm.FUSED_ADD:  # a norm after the residual add the model writes itself
+        if self._probed[OpClass.NORM][0] not in (NormForm.FUSED_ADD, NormForm.INDUCTOR):  # the model adds its residual itself
+            # (INDUCTOR: this engine's forms read at an earlier probe, the on-policy loop's every step)
             why = f"{COMPILED_ENGINE}: the model's norms are not vLLM's fused add and norm"
             return {OpClass.NORM: (None, CandidateEvidence(why=why, details=details)), OpClass.ROTARY: (rotary, rotary_found)}
         return {

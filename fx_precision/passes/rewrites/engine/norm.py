@@ -33,6 +33,7 @@ from torch import fx
 
 from fx_precision.contract import EngineContract
 from fx_precision.contract.vocabulary import NormForm, OpClass
+from fx_precision.errors import PrecisionError
 from fx_precision.passes.context import PassContext
 from fx_precision.passes.graph.nodes import module_path, node_dtype, node_value
 from fx_precision.passes.rewrites.engine.common import ADD, MUL, EngineRewrite, RewriteFn, is_call, reaches_output, record, replace_node
@@ -122,6 +123,65 @@ def _weighted_norms(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node, fx.Node]]:
     return found
 
 
+def _scaling_weights(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
+    """(scaled, weight) of every RMS scaling in ``graph`` and the weight it is multiplied by, through a cast of any dtype
+    (a norm whose input is fp32 already, say a unit's input under FSDP2, casts to fp32: no narrowing); refused where a
+    scaling meets no weight (the engine's order is found by the weight)."""
+    found = []
+    for node in graph.nodes:
+        if not _is_rms_scaling(node):
+            continue
+        users = [u for c in node.users for u in (c.users if c.op == "call_method" and c.target == "to" else (c,))]
+        weights = [a for u in users if is_call(u, MUL, "mul") for a in u.args[:2]
+                   if isinstance(a, fx.Node) and a is not node and a not in node.users]  # fmt: skip
+        if len(weights) != 1:
+            raise PrecisionError(f"engine contract: the norm at {module_path(node) or '<root>'} is multiplied by {len(weights)} weights: "
+                                 "the compiled engine's order is followed for a weighted RMS norm")  # fmt: skip
+        found.append((node, weights[0]))
+    return found
+
+
+def _weight_source(weight: fx.Node) -> fx.Node:
+    """The tensor a norm's weight operand reads: through casts and views to the graph input (the module's parameter,
+    or FSDP2's gathered one), which ``fxp_engine.inductor_sum_squares`` finds its norm by."""
+    node = weight
+    while (
+        node.op in ("call_method", "call_function")
+        and node.args
+        and isinstance(node.args[0], fx.Node)
+        and (
+            node.target in ("to", "float", "view", "reshape", "contiguous")
+            or node.target in (torch.ops.prims.convert_element_type.default,)
+        )
+    ):
+        node = node.args[0]
+    return node
+
+
+def _engine_ordered_sum(graph: fx.Graph, scaled: fx.Node, weight: fx.Node) -> EngineRewrite:
+    """``mean(x ** 2, -1, keepdim=True)`` of the norm ``scaled`` -> ``inductor_sum_squares(x, weight) / size``: the
+    compiled engine's summation order for this norm (contract/inductor_norms.py), looked up by its weight at run time."""
+    added = [r.args[0] for r in scaled.args[:2] if isinstance(r, fx.Node) and is_call(r, torch.rsqrt, "rsqrt") and r.args]
+    mean = next(a for n in added if isinstance(n, fx.Node) for a in n.args if isinstance(a, fx.Node) and is_call(a, torch.mean, "mean"))
+    squared = mean.args[0]
+    dims = mean.args[1] if len(mean.args) > 1 else mean.kwargs.get("dim")
+    keep = mean.args[2] if len(mean.args) > 2 else mean.kwargs.get("keepdim", False)
+    x = squared.args[0] if isinstance(squared, fx.Node) and squared.args else None
+    value = node_value(x) if isinstance(x, fx.Node) else None
+    if dims not in (-1, [-1], (-1,)) or keep is not True or not isinstance(value, torch.Tensor):
+        raise PrecisionError(f"engine contract: the norm at {module_path(scaled) or '<root>'} takes its mean over {dims!r} "
+                             f"(keepdim={keep!r}): the compiled engine's order is followed for mean(x ** 2, -1, keepdim=True)")  # fmt: skip
+    size = int(value.shape[-1])
+    source = _weight_source(weight)
+
+    def build() -> fx.Node:
+        summed = graph.call_function(torch.ops.fxp_engine.inductor_sum_squares.default, (x, source))
+        return graph.call_function(operator.truediv, (summed, size))
+
+    made = replace_node(graph, mean, build, NORM, erase=(mean,))
+    return record(NORM, made, scaled, f"the norm's sum of squares in the compiled engine's order (over {size} values)")
+
+
 def _inductor_norms(gm: fx.GraphModule, contract: EngineContract) -> list[EngineRewrite]:
     """The inductor form (module docstring): the residual stream in fp32, each weighted norm one fp32 product."""
     graph = gm.graph
@@ -133,6 +193,9 @@ def _inductor_norms(gm: fx.GraphModule, contract: EngineContract) -> list[Engine
         a, b = (x for x in add.args[:2] if isinstance(x, fx.Node))  # _narrow_pair / _widening_cast_of_add: two nodes
         made = replace_node(graph, add, functools.partial(_fp32_sum, graph, a, b), NORM)
         done.append(record(NORM, made, add, "the residual stream in fp32, as the compiled engine keeps it"))
+    if contract.norm_reductions is not None:  # each norm's sum of squares in the engine's order, whatever Inductor fuses here
+        for scaled, weight in _scaling_weights(graph):
+            done.append(_engine_ordered_sum(graph, scaled, weight))
     for out, scaled, weight in norms:
         cast = next(a for a in out.args if isinstance(a, fx.Node) and a is not weight)
         narrow = node_dtype(cast) or torch.bfloat16  # the norm's input dtype, which the engine stores its output in
