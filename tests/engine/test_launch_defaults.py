@@ -84,8 +84,8 @@ def test_the_contract_follows_the_compiled_engine_on_every_sampled_token(launche
     contract = dump.contract
     assert contract["norm"] == "inductor" and contract["rotary"]["form"] == "inductor" and not contract["unmatched"]
     assert contract["inductor"] and contract["inductor"].startswith("torch ")
-    layers = 2  # write_tiny_checkpoint's; each layer's norms, then the last: (q, k norms on Qwen3)
-    per_layer = 4 if "qwen3" in str(launched["checkpoint"]) else 2
+    config = json.loads((launched["checkpoint"] / "config.json").read_text())
+    layers, per_layer = config["num_hidden_layers"], 4 if config["model_type"] == "qwen3" else 2  # each layer's norms (q, k on Qwen3)
     sums = contract["norm_reductions"]
     assert len(sums) == layers * per_layer + 1 and all(r["lanes"] % r["width"] == 0 and r["module"] is None for r in sums), sums
     report = json.loads(run("compare", "--model", str(launched["checkpoint"]), "--rollout", str(launched["dump"]), "--contract", "vllm",
