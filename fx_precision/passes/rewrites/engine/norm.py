@@ -20,6 +20,9 @@ inductor    the compiled engine (vLLM's native forms through Inductor): Inductor
     w * (x * rsqrt(mean(x**2) + eps)).to(bf16) ->  ((x * rsqrt(..)) * w.float()).to(bf16)
                                                    (UNROUNDED: the rotary reads the fp32 product, as the
                                                    engine's fused q / k norm and rotary do)
+    mean(x ** 2, -1, keepdim=True)             ->  fxp_engine.inductor_sum_squares(x, weight) / size, where the
+                                                   contract holds the engine's norm orders (FSDP2 units fuse a
+                                                   norm otherwise: contract/inductor_norms.py)
 unmatched   a graph with the pattern is refused with the probe's reason
 """
 
