@@ -140,20 +140,21 @@ def bind_norm_modules(reductions: tuple[NormReduction, ...], model: nn.Module) -
     """``reductions`` (the engine's order) each bound to the norm module of ``model`` that the same place of a forward
     calls; refused where the counts or a module's width differ, or one module would take two orders."""
     calls = norm_call_order(model)
+    eager = "roll out with --launch eager for this model"
     if len(calls) != len(reductions):
         raise PrecisionError(
             f"engine contract: the compiled engine's graph holds {len(reductions)} norm reduction(s), the training model calls "
-            f"{len(calls)} RMS norm(s): the norms' summation order cannot be bound; compare in one process (without --world-size)"
+            f"{len(calls)} RMS norm(s): the norms' summation orders cannot be bound to its modules; {eager}"
         )
     bound: dict[str, NormReduction] = {}
     for name, reduction in zip(calls, reductions, strict=True):
         weight = getattr(model.get_submodule(name), "weight", None)
         if isinstance(weight, torch.Tensor) and weight.numel() != reduction.size:
             raise PrecisionError(f"engine contract: the engine's norm reduction over {reduction.size} values falls on {name}, "
-                                 f"of width {weight.numel()}: the engine's norms are not called in the model's order")  # fmt: skip
+                                 f"of width {weight.numel()}: the engine calls its norms in another order; {eager}")  # fmt: skip
         made = NormReduction(reduction.lanes, reduction.width, reduction.size, name)
         if bound.setdefault(name, made) != made:
-            raise PrecisionError(f"engine contract: {name} is called twice and the engine sums its squares in two orders")
+            raise PrecisionError(f"engine contract: {name} is called twice and the engine sums its squares in two orders; {eager}")
     return tuple(NormReduction(r.lanes, r.width, r.size, name) for name, r in zip(calls, reductions, strict=True))
 
 

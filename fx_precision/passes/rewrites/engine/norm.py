@@ -39,7 +39,17 @@ from fx_precision.contract.vocabulary import NormForm, OpClass
 from fx_precision.errors import PrecisionError
 from fx_precision.passes.context import PassContext
 from fx_precision.passes.graph.nodes import module_path, node_dtype, node_value
-from fx_precision.passes.rewrites.engine.common import ADD, MUL, EngineRewrite, RewriteFn, is_call, reaches_output, record, replace_node
+from fx_precision.passes.rewrites.engine.common import (
+    ADD,
+    MUL,
+    PASS_THROUGH,
+    EngineRewrite,
+    RewriteFn,
+    is_call,
+    reaches_output,
+    record,
+    replace_node,
+)
 
 NORM = OpClass.NORM
 UNROUNDED = "fxp_unrounded"  # meta key of a norm's bf16 output (inductor form): the fp32 product it rounds
@@ -139,24 +149,17 @@ def _scaling_weights(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
                    if isinstance(a, fx.Node) and a is not node and a not in node.users]  # fmt: skip
         if len(weights) != 1:
             raise PrecisionError(f"engine contract: the norm at {module_path(node) or '<root>'} is multiplied by {len(weights)} weights: "
-                                 "the compiled engine's order is followed for a weighted RMS norm")  # fmt: skip
+                                 "the compiled engine's norm order is followed for a weighted RMS norm (one weight); roll out with "
+                                 "--launch eager for this model")  # fmt: skip
         found.append((node, weights[0]))
     return found
 
 
 def _weight_source(weight: fx.Node) -> fx.Node:
-    """The tensor a norm's weight operand reads: through casts and views to the graph input (the module's parameter,
-    or FSDP2's gathered one), which ``fxp_engine.inductor_sum_squares`` finds its norm by."""
+    """The tensor a norm's weight operand reads: through casts and views (``PASS_THROUGH``) to the graph input (the
+    module's parameter, or FSDP2's gathered one), which ``fxp_engine.inductor_sum_squares`` finds its norm by."""
     node = weight
-    while (
-        node.op in ("call_method", "call_function")
-        and node.args
-        and isinstance(node.args[0], fx.Node)
-        and (
-            node.target in ("to", "float", "view", "reshape", "contiguous")
-            or node.target in (torch.ops.prims.convert_element_type.default,)
-        )
-    ):
+    while node.op == "call_method" and node.target in PASS_THROUGH and node.args and isinstance(node.args[0], fx.Node):
         node = node.args[0]
     return node
 
@@ -173,7 +176,8 @@ def _engine_ordered_sum(graph: fx.Graph, scaled: fx.Node, weight: fx.Node) -> En
     value = node_value(x) if isinstance(x, fx.Node) else None
     if dims not in (-1, [-1], (-1,)) or keep is not True or not isinstance(value, torch.Tensor):
         raise PrecisionError(f"engine contract: the norm at {module_path(scaled) or '<root>'} takes its mean over {dims!r} "
-                             f"(keepdim={keep!r}): the compiled engine's order is followed for mean(x ** 2, -1, keepdim=True)")  # fmt: skip
+                             f"(keepdim={keep!r}): the compiled engine's norm order is followed for mean(x ** 2, -1, keepdim=True); "
+                             "roll out with --launch eager for this model")  # fmt: skip
     size = int(value.shape[-1])
     source = _weight_source(weight)
 
