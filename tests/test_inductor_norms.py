@@ -11,6 +11,8 @@ bind_norm_modules                     the orders on a transformers model's norm 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch import nn
@@ -182,3 +184,24 @@ def test_the_contract_carries_the_orders_and_refuses_them_without_inductor() -> 
     check_compiled_engine(inductor_build(), "inductor", world_size=2, norm_orders=True)
     with pytest.raises(PrecisionError, match="no bound norm module holds it"):
         torch.ops.fxp_engine.inductor_sum_squares(torch.ones(2, 8), torch.ones(8))
+
+
+def test_the_engines_code_is_told_from_another_isas_in_the_same_cache(tmp_path: Path) -> None:
+    """vLLM keeps the same model compiled under another --isa in the same directory: the code of the engine's own
+    vector width is read; two graphs of that width are refused (their order is not known)."""
+    from fx_precision.contract.inductor_norms import engine_norm_reductions
+
+    def write(name: str, vec: str, lanes: int) -> None:
+        (tmp_path / "inductor_cache" / name).mkdir(parents=True)
+        kernel = _KERNEL.format(name="norm", vec=vec, size=128, lanes=lanes, op="*")
+        (tmp_path / "inductor_cache" / name / "c.py").write_text(kernel + "def call(self, args):\n    cpp_fused_norm(a, b, s)\n")
+
+    write("a", "VectorizedN<float,2>", 32)  # AVX-512: 16 floats a vector
+    write("b", "VectorizedN<float,2>", 16)  # AVX2: 8
+    assert engine_norm_reductions(str(tmp_path))[0] is None
+    (avx512,), _ = engine_norm_reductions(str(tmp_path), 16)
+    (avx2,), _ = engine_norm_reductions(str(tmp_path), 8)
+    assert (avx512.lanes, avx512.width, avx2.lanes, avx2.width) == (32, 16, 16, 8)
+    write("c", "Vectorized<float>", 16)
+    reductions, why = engine_norm_reductions(str(tmp_path), 16)
+    assert reductions is None and "spread over 2 compiled graphs" in why

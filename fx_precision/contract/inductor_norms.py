@@ -97,10 +97,12 @@ def norm_reductions_of(source: str) -> tuple[NormReduction, ...]:
     return tuple(r for m in _CALL.finditer(body) for r in kernels.get(m.group(1), ()))
 
 
-def engine_norm_reductions(cache_dir: str | None) -> tuple[tuple[NormReduction, ...] | None, str]:
+def engine_norm_reductions(cache_dir: str | None, width: int | None = None) -> tuple[tuple[NormReduction, ...] | None, str]:
     """The norm reductions of the compiled engine whose Inductor cache is ``cache_dir`` (vLLM's
     ``compilation_config.local_cache_dir``), and where they were read; (None, why) where they cannot be read whole
-    (no output code there, or the norms spread over several graphs, whose order the files do not give)."""
+    (no output code there, or the norms spread over several graphs, whose order the files do not give). ``width``:
+    the engine's vector width in floats; code of another (the same model compiled before under another --isa, which
+    vLLM keeps in the same directory) is not this engine's."""
     if not cache_dir:
         return None, "the engine recorded no compile cache directory"
     files = sorted(glob.glob(os.path.join(cache_dir, "inductor_cache", "*", "*.py")))
@@ -108,7 +110,7 @@ def engine_norm_reductions(cache_dir: str | None) -> tuple[tuple[NormReduction, 
     for path in files:
         with open(path, encoding="utf-8", errors="replace") as fh:
             reductions = norm_reductions_of(fh.read())
-        if reductions:
+        if reductions and (width is None or all(r.width == width for r in reductions)):
             read.setdefault(reductions, []).append(path)
     if not read:
         return None, f"no norm reduction in the engine's generated code under {cache_dir} ({len(files)} file(s))"

@@ -462,7 +462,10 @@ class VllmSession:
         if not self.compiled:
             return {}
         cache = getattr(self.llm.llm_engine.vllm_config.compilation_config, "local_cache_dir", None)
-        reductions, where = engine_norm_reductions(cache)
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        isa = pick_vec_isa()  # the engine's process: the ISA its Inductor compiled for
+        reductions, where = engine_norm_reductions(cache, isa.nelements(torch.float32) if isa else None)
         if reductions is None:
             return {"inductor_norms": None, "inductor_norms_why": where}
         return {"inductor_norms": [r.to_dict() for r in reductions], "inductor_code": where}
