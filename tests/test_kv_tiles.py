@@ -171,6 +171,38 @@ def test_the_kernels_online_softmax_is_its_description_bit_for_bit(parts: tuple[
     assert torch.equal(got, one_pass) == (parts == ONE_TILE)
 
 
+@pytest.mark.parametrize("variant", [
+    VARIANT,
+    {**VARIANT, "exp": "fast512", "fma": False},
+    {**VARIANT, "exp": "fast512", "lane_sum": "avx2", "p_bf16": True, "store": "truncate"},
+], ids=["libm-fma", "fast512-mul-add", "fast512-pbf16-avx2-truncate"])  # fmt: skip
+@pytest.mark.parametrize("head_dim", [16, 64, 80, 128])
+def test_the_vector_attention_is_the_scalar_one_bit_for_bit(variant: dict[str, object], head_dim: int) -> None:
+    """The vec variant's vector path (16 keys, or 16 head dims, to a vector) gives the scalar loop's bits on every
+    row: GQA, a padded batch, a causal and a sliding-window mask and a boolean one with holes, one tile and KV tiles
+    with split-KV parts; on this CPU's best path and AVX-512F (a CPU without AVX-512 runs the scalar loop on both)."""
+    gen = torch.Generator().manual_seed(head_dim)
+    B, S, H, KVH = 2, 150, 4, 2
+    q = (torch.randn(B, S, H, head_dim, generator=gen) * 2).to(torch.bfloat16)
+    k = torch.randn(B, S, KVH, head_dim, generator=gen)
+    k[:, 40:50] *= 4
+    k, v = k.to(torch.bfloat16), torch.randn(B, S, KVH, head_dim, generator=gen).to(torch.bfloat16)
+    lens = torch.tensor([S, 97])
+    holes = torch.rand(B, 1, S, S, generator=gen) > 0.3
+    tiles = torch.tensor([(0, 64, 0, 32), (64, NO_END, 70, 32)], dtype=torch.int32).repeat(B, S, 1, 1)
+    calls = [((None, True, -1), None), ((None, True, 20), None), ((holes, False, -1), None), ((None, True, -1), tiles)]
+    kernels, struct_ = engine_kernels(), attention_variant(**variant)  # type: ignore[arg-type]
+    try:
+        for (mask, causal, window), kv_tiles in calls:
+            outs = []
+            for path in ("best", "avx512f", "scalar"):
+                kernels.set_vector_path(path)
+                outs.append(kernels.attention(q, k, v, lens, mask, head_dim**-0.5, causal, window, 0, struct_, kv_tiles=kv_tiles))
+            assert torch.equal(outs[0], outs[2]) and torch.equal(outs[1], outs[2]), (causal, window, kv_tiles is not None)
+    finally:
+        kernels.set_vector_path("best")
+
+
 def test_rows_that_fit_one_tile_are_the_one_pass_kernels_and_the_forwards_tiles_are_read() -> None:
     """Tiles a row does not reach change nothing (any batch, GQA, every row); inside ``engine_rows`` the op reads the
     forward's tiles, and a plan for another shape is refused in one line."""

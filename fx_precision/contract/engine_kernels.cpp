@@ -53,6 +53,10 @@ void parallel_ranges(int64_t total, int64_t threads, const Fn& fn) {
   }
 }
 
+// The widest vector path the attention, pairs and lanes kernels may take: 0 the CPU's best, 1 AVX-512F (no BF16
+// instruction), 2 AVX2, 3 scalar (fxp_set_vector_path; tests hold every path to the scalar reference on one machine).
+int g_vector_path = 0;
+
 enum Qk { QK_AMX = 0, QK_VEC = 1 };
 enum Exp { EXP_LIBM = 0, EXP_FAST512 = 1 };
 enum Reduce { REDUCE_AVX512 = 0, REDUCE_AVX2 = 1 };
@@ -274,18 +278,183 @@ inline KvSplit row_split(const Problem& P, int64_t b, int64_t t, int64_t i) {
   return KvSplit{e[0], e[1], e[2], e[3]};
 }
 
+// The engine's AVX-512 exp polynomial on 16 lanes: fast_exp512, op for op.
+__attribute__((target("avx512f"))) inline __m512 fast_exp512_x16(__m512 x) {
+  const __m512 lo = _mm512_set1_ps(bits_to_float(0xc2aeac50u));
+  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
+  __m512 src = _mm512_min_ps(x, _mm512_set1_ps(bits_to_float(0x42b17218u)));
+  src = _mm512_max_ps(src, lo);
+  __m512 fx = _mm512_fmadd_ps(src, _mm512_set1_ps(bits_to_float(0x3fb8aa3bu)), _mm512_set1_ps(0.5f));
+  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
+  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(bits_to_float(0x3f317218u)), src);
+  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
+  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
+  const __m512i n = _mm512_cvt_roundps_epi32(_mm512_sub_ps(fx, _mm512_set1_ps(1.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
+  two_n = _mm512_mask_blend_ps(underflow, two_n, _mm512_setzero_ps());
+  return _mm512_mul_ps(_mm512_mul_ps(p, two_n), _mm512_set1_ps(2.0f));
+}
+
+// bf16_rne on 16 lanes (finite inputs: probabilities), denormals kept as the scalar rounding keeps them.
+__attribute__((target("avx512f"))) inline __m256i bf16_rne_x16(__m512 f) {
+  const __m512i b = _mm512_castps_si512(f);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
+  return _mm512_cvtepi32_epi16(rounded);
+}
+
+// The lanes of keys j0..j0+15 the row sees: first..last as a run of lanes, less what its mask blocks
+// (a masked load: bytes past the run are never read).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __mmask16 row_keys16(const RowRange& r, int64_t j0) {
+  const int64_t from = std::max<int64_t>(r.first - j0, 0), to = std::min<int64_t>(r.last - j0, 15);
+  if (to < from) return 0;
+  const __mmask16 run = static_cast<__mmask16>(((1u << (to + 1)) - 1u) & ~((1u << from) - 1u));
+  if (r.mrow == nullptr) return run;
+  const __m128i bytes = _mm_maskz_loadu_epi8(run, r.mrow + j0);
+  return _mm_test_epi8_mask(bytes, bytes);
+}
+
+
+// ---- the vec variant on AVX-512F: the scalar loops of attention_rowwise, 16 lanes at a time, each lane's arithmetic
+// the scalar loop's op for op (same operands, same order, the same fused or separate multiply-add), so every score,
+// exponential and output is the same bits (tests hold the paths equal, fxp_set_vector_path(3) the scalar one).
+
+constexpr int64_t kScoreGroups = 4;  // 16-key groups whose dot chains run side by side
+
+// K of one (batch, kv head) as fp32 columns: kt[d * ld + j] = k_j[d], zero past S (ld: S rounded up to 16, and a run of
+// kScoreGroups groups more).
+void transpose_keys(const Problem& P, int64_t b, int64_t g, int64_t ld, float* kt) {
+  for (int64_t d = 0; d < P.D; ++d) std::fill(kt + d * ld + P.S, kt + (d + 1) * ld, 0.0f);
+  for (int64_t j = 0; j < P.S; ++j) {
+    const uint16_t* krow = P.k + ((b * P.S + j) * P.KVH + g) * P.D;
+    for (int64_t d = 0; d < P.D; ++d) kt[d * ld + j] = bf16_value(krow[d]);
+  }
+}
+
+// s_j = sum_d qs[d] * k_j[d] from 0 in d order, 16 keys to a vector: keys j_lo.. up to last (j_lo a multiple of 16).
+__attribute__((target("avx512f"))) void vec_scores16(const float* qs, const float* kt, int64_t ld, int64_t D, int64_t j_lo, int64_t last,
+                                                      bool fma, float* s) {
+  for (int64_t j0 = j_lo; j0 <= last; j0 += 16 * kScoreGroups) {
+    __m512 acc[kScoreGroups];
+    for (int64_t i = 0; i < kScoreGroups; ++i) acc[i] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m512 q = _mm512_set1_ps(qs[d]);
+      const float* col = kt + d * ld + j0;
+      for (int64_t i = 0; i < kScoreGroups; ++i) {
+        const __m512 k = _mm512_loadu_ps(col + 16 * i);
+        acc[i] = fma ? _mm512_fmadd_ps(q, k, acc[i]) : _mm512_add_ps(acc[i], _mm512_mul_ps(q, k));
+      }
+    }
+    for (int64_t i = 0; i < kScoreGroups; ++i) _mm512_storeu_ps(s + j0 + 16 * i, acc[i]);
+  }
+}
+
+// The largest score of the row's keys in lo..hi, from `m` (max is exact: any order gives the same float).
+__attribute__((target("avx512f,avx512bw,avx512vl"))) float vec_tile_max(const RowRange& r, const float* s, int64_t lo, int64_t hi, float m,
+                                                                        bool* any) {
+  const RowRange tile{std::max(r.first, lo), std::min(r.last, hi), r.mrow};
+  __m512 vmax = _mm512_set1_ps(m);
+  bool seen = false;
+  for (int64_t j0 = tile.first - tile.first % 16; j0 <= tile.last; j0 += 16) {
+    const __mmask16 in = row_keys16(tile, j0);
+    seen = seen || in != 0;
+    vmax = _mm512_mask_max_ps(vmax, in, vmax, _mm512_loadu_ps(s + j0));
+  }
+  *any = seen;
+  return _mm512_reduce_max_ps(vmax);
+}
+
+// e_j = exp(s_j - mu) and p_j for the row's keys in lo..hi (0 elsewhere in their groups), e summed into `lane` (key j
+// in lane j % 16, keys in order): the scalar loop's exp, sum and P.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void vec_tile_exp(const Problem& P, const RowRange& r, const float* s, int64_t lo,
+                                                                       int64_t hi, float mu, float* lane, float* p) {
+  const RowRange tile{std::max(r.first, lo), std::min(r.last, hi), r.mrow};
+  __m512 sum = _mm512_loadu_ps(lane);
+  alignas(64) float e[16];
+  for (int64_t j0 = tile.first - tile.first % 16; j0 <= tile.last; j0 += 16) {
+    const __mmask16 in = row_keys16(tile, j0);
+    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j0), _mm512_set1_ps(mu));
+    __m512 ev;
+    if (P.exp_kind == EXP_FAST512) {
+      ev = fast_exp512_x16(x);
+    } else {
+      _mm512_store_ps(e, x);
+      for (int n = 0; n < 16; ++n) e[n] = (in >> n) & 1 ? engine_exp(e[n], P.exp_kind) : 0.0f;
+      ev = _mm512_load_ps(e);
+    }
+    ev = _mm512_maskz_mov_ps(in, ev);
+    sum = _mm512_mask_add_ps(sum, in, sum, ev);
+    if (P.p_bf16) {
+      _mm512_store_ps(e, ev);
+      for (int n = 0; n < 16; ++n) p[j0 + n] = bf16_value(bf16_rne(e[n]));
+    } else {
+      _mm512_storeu_ps(p + j0, ev);
+    }
+  }
+  _mm512_storeu_ps(lane, sum);
+}
+
+// acc[d] += p_j * v_j[d] over the row's keys in lo..hi in key order, 16 head dims to a vector, NV vectors side by side.
+template <int NV>
+__attribute__((target("avx512f,avx512bw,avx512vl"))) void vec_pv_dims(const Problem& P, const RowRange& tile, const float* p,
+                                                                      const uint16_t* v0, int64_t v_stride, float* acc) {
+  __m512 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
+  for (int64_t j = tile.first; j <= tile.last; ++j) {
+    if (!tile.allowed(j)) continue;
+    const __m512 pj = _mm512_set1_ps(p[j]);
+    const uint16_t* vrow = v0 + j * v_stride;
+    for (int i = 0; i < NV; ++i) {
+      const __m512 vv = _mm512_castsi512_ps(
+          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + 16 * i))), 16));
+      a[i] = P.fma ? _mm512_fmadd_ps(pj, vv, a[i]) : _mm512_add_ps(a[i], _mm512_mul_ps(pj, vv));
+    }
+  }
+  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
+}
+
+void vec_pv16(const Problem& P, const RowRange& r, int64_t b, int64_t g, int64_t lo, int64_t hi, const float* p, float* acc) {
+  const RowRange tile{std::max(r.first, lo), std::min(r.last, hi), r.mrow};
+  const int64_t v_stride = P.KVH * P.D;
+  const uint16_t* v0 = P.v + (b * P.S * P.KVH + g) * P.D;
+  for (int64_t d0 = 0; d0 < P.D;) {
+    const int64_t left = (P.D - d0) / 16;
+    if (left >= 8) {
+      vec_pv_dims<8>(P, tile, p, v0 + d0, v_stride, acc + d0);
+      d0 += 128;
+    } else if (left >= 4) {
+      vec_pv_dims<4>(P, tile, p, v0 + d0, v_stride, acc + d0);
+      d0 += 64;
+    } else {
+      vec_pv_dims<1>(P, tile, p, v0 + d0, v_stride, acc + d0);
+      d0 += 16;
+    }
+  }
+}
+
 // One query row at a time: the reference, and the path of every variant but hardware AMX (and of hardware AMX
 // where a row spans two KV tiles). The row's keys go through the softmax one KV tile at a time, as the engine's
 // online softmax takes them (module comment, "KV tiles").
 void attention_rowwise(const Problem& P, bool hardware_amx) {
   const int64_t D = P.D, S = P.S;
+  const bool vec512 = !P.amx && !hardware_amx && D % 16 == 0 && g_vector_path <= 1 && __builtin_cpu_supports("avx512f") &&
+                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const int64_t ld = (S + 15) / 16 * 16 + 16 * kScoreGroups;  // a run of groups from any key stays inside
   parallel_ranges(P.B * P.H, P.threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(S), e(S), p(S), qs(D), acc(D), total(D);
+    std::vector<float> s(ld), e(S), p(ld), qs(D), acc(D), total(D), kt(vec512 ? D * ld : 0);
     std::vector<uint16_t> pchunk(32), bvnni(32 * 16);
     alignas(64) float cbuf[16];
+    int64_t kt_of = -1;  // the (batch, kv head) kt holds
     if (hardware_amx) amx_configure();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.H, h = bh % P.H, g = h / P.group;
+      if (vec512 && kt_of != b * P.KVH + g) {
+        transpose_keys(P, b, g, ld, kt.data());
+        kt_of = b * P.KVH + g;
+      }
       for (int64_t t = 0; t < P.T; ++t) {
         const RowRange range = row_range(P, b, h, t);
         const int64_t first = range.first, last = range.last;
@@ -317,7 +486,8 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             }
           }
         }
-        for (int64_t j = first; j <= last && !hardware_amx; ++j) {
+        if (vec512) vec_scores16(qs.data(), kt.data(), ld, D, first - first % 16, last, P.fma, s.data());
+        for (int64_t j = first; j <= last && !hardware_amx && !vec512; ++j) {
           if (!allowed(j)) continue;
           const uint16_t* krow = P.k + ((b * S + j) * P.KVH + g) * D;
           float a = 0.0f;
@@ -351,7 +521,8 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             const int64_t hi = tile_end(lo, split.origin, split.tile, part_last);
             float tile_max = m;
             bool any = false;
-            for (int64_t j = lo; j <= hi; ++j) {
+            if (vec512) tile_max = vec_tile_max(range, s.data(), lo, hi, m, &any);
+            for (int64_t j = lo; j <= hi && !vec512; ++j) {
               if (!allowed(j)) continue;
               tile_max = std::fmax(tile_max, s[j]);
               any = true;
@@ -365,7 +536,8 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             const bool rescale = shift < -8.0f;
             const float mu = rescale ? tile_max : m;
             float lane[16] = {0};
-            for (int64_t j = lo; j <= hi; ++j) {
+            if (vec512) vec_tile_exp(P, range, s.data(), lo, hi, mu, lane, p.data());
+            for (int64_t j = lo; j <= hi && !vec512; ++j) {
               if (!allowed(j)) {
                 e[j] = 0.0f;
                 p[j] = 0.0f;
@@ -406,7 +578,8 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
                 for (int n = 0; n < 16; ++n) acc[d0 + n] = cbuf[n];
               }
             }
-            for (int64_t j = lo; j <= hi && !hardware_amx; ++j) {
+            if (vec512) vec_pv16(P, range, b, g, lo, hi, p.data(), acc.data());
+            for (int64_t j = lo; j <= hi && !hardware_amx && !vec512; ++j) {
               if (!allowed(j)) continue;
               const uint16_t* vrow = P.v + ((b * S + j) * P.KVH + g) * D;
               const float pj = P.flush ? ftz(p[j]) : p[j];
@@ -464,48 +637,9 @@ bool any_row_spans_tiles(const Problem& P) {
   return false;
 }
 
-// The engine's AVX-512 exp polynomial on 16 lanes: fast_exp512, op for op.
-__attribute__((target("avx512f"))) inline __m512 fast_exp512_x16(__m512 x) {
-  const __m512 lo = _mm512_set1_ps(bits_to_float(0xc2aeac50u));
-  const __mmask16 underflow = _mm512_cmp_ps_mask(x, lo, _CMP_LT_OQ);
-  __m512 src = _mm512_min_ps(x, _mm512_set1_ps(bits_to_float(0x42b17218u)));
-  src = _mm512_max_ps(src, lo);
-  __m512 fx = _mm512_fmadd_ps(src, _mm512_set1_ps(bits_to_float(0x3fb8aa3bu)), _mm512_set1_ps(0.5f));
-  fx = _mm512_roundscale_ps(fx, _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC);
-  const __m512 r = _mm512_fnmadd_ps(fx, _mm512_set1_ps(bits_to_float(0x3f317218u)), src);
-  __m512 p = _mm512_fmadd_ps(r, _mm512_set1_ps(0.00828929059f), _mm512_set1_ps(0.0418978221f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.166676521f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.499991506f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(0.999999701f));
-  p = _mm512_fmadd_ps(r, p, _mm512_set1_ps(1.0f));
-  const __m512i n = _mm512_cvt_roundps_epi32(_mm512_sub_ps(fx, _mm512_set1_ps(1.0f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 two_n = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_add_epi32(n, _mm512_set1_epi32(127)), 23));
-  two_n = _mm512_mask_blend_ps(underflow, two_n, _mm512_setzero_ps());
-  return _mm512_mul_ps(_mm512_mul_ps(p, two_n), _mm512_set1_ps(2.0f));
-}
-
-// bf16_rne on 16 lanes (finite inputs: probabilities), denormals kept as the scalar rounding keeps them.
-__attribute__((target("avx512f"))) inline __m256i bf16_rne_x16(__m512 f) {
-  const __m512i b = _mm512_castps_si512(f);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(_mm512_add_epi32(b, _mm512_set1_epi32(0x7fff)), lsb), 16);
-  return _mm512_cvtepi32_epi16(rounded);
-}
-
 // One query row's softmax over its keys, 16 keys at a time (key j in lane j % 16, as the engine's lane
 // sum has them): the scores scaled in place, m their max, e = exp(s - m) summed per lane in key order,
 // P = e rounded to bf16 (0 off the row's keys). Returns l, the lanes reduced as the build does.
-// The lanes of keys j0..j0+15 the row sees: first..last as a run of lanes, less what its mask blocks
-// (a masked load: bytes past the run are never read).
-__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __mmask16 row_keys16(const RowRange& r, int64_t j0) {
-  const int64_t from = std::max<int64_t>(r.first - j0, 0), to = std::min<int64_t>(r.last - j0, 15);
-  if (to < from) return 0;
-  const __mmask16 run = static_cast<__mmask16>(((1u << (to + 1)) - 1u) & ~((1u << from) - 1u));
-  if (r.mrow == nullptr) return run;
-  const __m128i bytes = _mm_maskz_loadu_epi8(run, r.mrow + j0);
-  return _mm_test_epi8_mask(bytes, bytes);
-}
-
 __attribute__((target("avx512f,avx512bw,avx512vl"))) float softmax_row16(const Problem& P, const RowRange& r, float* srow, uint16_t* prow) {
   const int64_t j_lo = r.first - r.first % 16;
   auto keys = [&](int64_t j0) { return row_keys16(r, j0); };
@@ -958,12 +1092,11 @@ inline uint32_t x_pair(const uint16_t* row, int64_t K, int64_t pair) {
     }                                                                                                                                  \
   }
 
-// AVX-512 BF16: the hardware instruction.
+// AVX-512 BF16: the hardware instruction (pairs_panel_rows below runs it; the macros serve the emulating paths).
 #define BF16_ZERO() _mm512_setzero_ps()
 #define BF16_LOADW(p) _mm512_loadu_si512(p)
 #define BF16_DOT(acc, xp, w) _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp)), (__m512bh)(w))
 #define BF16_ADD(a, b) _mm512_add_ps(a, b)
-FXP_PAIRS_GROUPS(pairs_groups_bf16, "avx512f,avx512bf16", __m512, __m512i, BF16_ZERO, BF16_LOADW, BF16_DOT, BF16_ADD)
 
 // AVX-512F: the odd products, then the even ones (exact products: a fused multiply-add rounds once, as VDPBF16PS does);
 // run with the flush bits set, as the instruction flushes.
@@ -999,16 +1132,100 @@ __attribute__((target("avx2,fma"))) inline Avx2x2 avx2_add(Avx2x2 a, Avx2x2 b) {
 }
 FXP_PAIRS_GROUPS(pairs_groups_avx2, "avx2,fma", Avx2x2, Avx2x2i, avx2_zero, avx2_loadw, avx2_dot, avx2_add)
 
+// AVX-512 BF16, register-blocked: the same sums as the groups kernels above (each output's pairs in order per block, the
+// blocks and parts folded in order), kPanelGroups groups of 16 outputs x R input rows per pass over K, each thread
+// packing its own panels of the weight as it reaches them (no whole-weight copy, no serial packing).
+constexpr int kPanelGroups = 4, kPanelRows = 6;
+using pairs_word = uint32_t __attribute__((may_alias));  // a bf16 pair read as one word
+
+// One panel's weight pairs: wp[(pair * kPanelGroups + gi) * 32 + n * 2 + h] = w[(g0 + gi) * 16 + n][2 pair + h] (0 past N;
+// K even).
+void pack_panel(const uint16_t* w, int64_t N, int64_t K, int64_t g0, uint16_t* wp) {
+  const int64_t pairs = K / 2;
+  for (int gi = 0; gi < kPanelGroups; ++gi)
+    for (int n = 0; n < 16; ++n) {
+      const int64_t row = (g0 + gi) * 16 + n;
+      pairs_word* dst = reinterpret_cast<pairs_word*>(wp) + gi * 16 + n;
+      if (row >= N) {
+        for (int64_t p = 0; p < pairs; ++p) dst[p * kPanelGroups * 16] = 0;
+        continue;
+      }
+      const pairs_word* src = reinterpret_cast<const pairs_word*>(w + row * K);
+      for (int64_t p = 0; p < pairs; ++p) dst[p * kPanelGroups * 16] = src[p];
+    }
+}
+
+// R rows (x: pairs as 32-bit words, x_stride words apart) x one panel: out rows' outputs g0 * 16 .. + 64 (less past N).
+template <int R>
+__attribute__((target("avx512f,avx512bf16"))) void pairs_panel_rows(const pairs_word* x, int64_t x_stride, const uint16_t* wp,
+                                                                   const float* bias16, bool has_bias, uint16_t* out, int64_t N,
+                                                                   int64_t g0, const FxpLinearOrder& o) {
+  constexpr int G = kPanelGroups;
+  __m512 acc[R][G], part[R][G], total[R][G];
+  int64_t pair = 0;
+  int32_t block = 0;
+  for (int32_t p = 0; p < o.n_parts; ++p) {
+    for (int32_t j = 0; j < o.part_blocks[p]; ++j, ++block) {
+      const bool from_bias = has_bias && o.bias_first && p == 0 && j == 0;
+      for (int r = 0; r < R; ++r)
+        for (int gi = 0; gi < G; ++gi) acc[r][gi] = from_bias ? _mm512_loadu_ps(bias16 + (g0 + gi) * 16) : _mm512_setzero_ps();
+      const int64_t stop = pair + o.block_units[block];
+      for (; pair < stop; ++pair) {
+        const uint16_t* wq = wp + pair * G * 32;
+        __m512i wv[G];
+#pragma GCC unroll 8
+        for (int gi = 0; gi < G; ++gi) wv[gi] = _mm512_loadu_si512(wq + gi * 32);
+#pragma GCC unroll 8
+        for (int r = 0; r < R; ++r) {
+          const __m512bh xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * x_stride + pair]));
+#pragma GCC unroll 8
+          for (int gi = 0; gi < G; ++gi) acc[r][gi] = _mm512_dpbf16_ps(acc[r][gi], xv, (__m512bh)wv[gi]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int gi = 0; gi < G; ++gi) part[r][gi] = j == 0 ? acc[r][gi] : _mm512_add_ps(part[r][gi], acc[r][gi]);
+    }
+    for (int r = 0; r < R; ++r)
+      for (int gi = 0; gi < G; ++gi) total[r][gi] = p == 0 ? part[r][gi] : _mm512_add_ps(total[r][gi], part[r][gi]);
+  }
+  alignas(64) float values[16];
+  for (int r = 0; r < R; ++r)
+    for (int gi = 0; gi < G; ++gi) {
+      const int64_t first = (g0 + gi) * 16, count = std::min<int64_t>(16, N - first);
+      if (count <= 0) continue;
+      __m512 t = total[r][gi];
+      if (has_bias && !o.bias_first) t = _mm512_add_ps(t, _mm512_loadu_ps(bias16 + first));
+      _mm512_store_ps(values, t);
+      uint16_t* orow = out + r * N + first;
+      for (int64_t n = 0; n < count; ++n) orow[n] = bf16_rne(ftz(values[n]));
+    }
+}
+
+using PanelRowsFn = void (*)(const pairs_word*, int64_t, const uint16_t*, const float*, bool, uint16_t*, int64_t, int64_t,
+                             const FxpLinearOrder&);
+constexpr PanelRowsFn kPanelRowsFns[kPanelRows] = {pairs_panel_rows<1>, pairs_panel_rows<2>, pairs_panel_rows<3>,
+                                                   pairs_panel_rows<4>, pairs_panel_rows<5>, pairs_panel_rows<6>};
+
+// Every row against the panels [begin, end) of kPanelGroups groups: x as pairs of 32-bit words, xs words a row.
+void pairs_panels_bf16(const pairs_word* x, int64_t xs, const uint16_t* w, const float* bias16, bool has_bias, uint16_t* out,
+                       int64_t M, int64_t N, int64_t K, const FxpLinearOrder& o, int64_t begin, int64_t end) {
+  std::vector<uint16_t> wp(static_cast<size_t>(K / 2) * kPanelGroups * 32);
+  for (int64_t panel = begin; panel < end; ++panel) {
+    const int64_t g0 = panel * kPanelGroups;
+    pack_panel(w, N, K, g0, wp.data());
+    for (int64_t m0 = 0; m0 < M; m0 += kPanelRows) {
+      const int64_t rows = std::min<int64_t>(kPanelRows, M - m0);
+      kPanelRowsFns[rows - 1](x + m0 * xs, xs, wp.data(), bias16, has_bias, out + m0 * N, N, g0, o);
+    }
+  }
+}
+
 // Sets the flush-to-zero and denormals-are-zero bits for the emulating paths (VDPBF16PS flushes both), restored after.
 struct FlushDenormals {
   unsigned int saved;
   FlushDenormals() : saved(_mm_getcsr()) { _mm_setcsr(saved | 0x8040u); }
   ~FlushDenormals() { _mm_setcsr(saved); }
 };
-
-// The widest vector path the pairs and lanes kernels may take: 0 the CPU's best, 1 AVX-512F (no BF16 instruction),
-// 2 AVX2, 3 scalar (fxp_set_vector_path; tests hold every path to the scalar reference on one machine).
-int g_vector_path = 0;
 
 #define path_allows(level, feature) (g_vector_path <= (level) && __builtin_cpu_supports(feature))
 
@@ -1024,15 +1241,19 @@ void linear_pairs(const uint16_t* x, const uint16_t* w, const float* bias, uint1
     });
     return;
   }
+  const int64_t panels = (groups + kPanelGroups - 1) / kPanelGroups;
+  std::vector<float> bias16(panels * kPanelGroups * 16, 0.0f);
+  if (bias != nullptr) std::memcpy(bias16.data(), bias, N * sizeof(float));
+  if (bf16) {  // x as 32-bit pairs (K is even: contract/kernels.py checks it for the pairs kernels)
+    const pairs_word* xw = reinterpret_cast<const pairs_word*>(x);
+    parallel_ranges(panels, threads, [&](int64_t begin, int64_t end) {
+      pairs_panels_bf16(xw, pairs, w, bias16.data(), bias != nullptr, out, M, N, K, o, begin, end);
+    });
+    return;
+  }
   std::vector<uint16_t> wp(groups * pairs * 32);
   pack_pairs16(w, N, K, wp.data());
-  std::vector<float> bias16(groups * 16, 0.0f);
-  if (bias != nullptr) std::memcpy(bias16.data(), bias, N * sizeof(float));
   parallel_ranges(groups, threads, [&](int64_t begin, int64_t end) {
-    if (bf16) {
-      pairs_groups_bf16(x, wp.data(), bias16.data(), bias != nullptr, out, M, N, K, o, begin, end);
-      return;
-    }
     FlushDenormals flush;
     if (avx512) {
       pairs_groups_avx512(x, wp.data(), bias16.data(), bias != nullptr, out, M, N, K, o, begin, end);

@@ -188,7 +188,7 @@ class EngineKernels:
     VECTOR_PATHS = ("best", "avx512f", "avx2", "scalar")
 
     def set_vector_path(self, path: str) -> None:
-        """The widest vector path the pairs and lanes linears take: the CPU's best (the default), or a narrower one
+        """The widest vector path the attention, pairs and lanes kernels take: the CPU's best (the default), or a narrower one
         (tests hold every path to the scalar reference on one machine)."""
         if path not in self.VECTOR_PATHS:
             raise PrecisionError(f"vector path {path!r}: one of {', '.join(self.VECTOR_PATHS)}")
