@@ -238,9 +238,13 @@ class PrecisionBackend:
         fp32 math fused across a bf16 round trip would not be what the engine computes."""
         if self.policy is None or self.policy.contract is None or self.inner != "inductor":
             return contextlib.nullcontext()
-        if self.policy.contract.inductor is not None:  # the compiled engine: Inductor's own settings, as the engine ran them
-            return contextlib.nullcontext()
         import torch._inductor.config as inductor_config
+
+        if self.policy.contract.inductor is not None:  # the compiled engine: Inductor's own settings, as the engine ran them
+            from fx_precision.contract.inductor_build import following_simdlen
+
+            simdlen = following_simdlen(self.policy.contract.inductor)  # its vector ISA, where this CPU picks a wider one
+            return inductor_config.patch({"cpp.simdlen": simdlen}) if simdlen is not None else contextlib.nullcontext()
 
         return inductor_config.patch(emulate_precision_casts=True)
 
@@ -287,10 +291,11 @@ COMPILED_ENGINE_UNITS = (
 
 
 def check_compiled_engine(engine_inductor: str, inner: str, world_size: int = 0, *, norm_orders: bool = False) -> None:
-    """The compiled engine is followed by giving this process's Inductor the engine's graph: refused where the training
-    side does not compile with Inductor, or with another Inductor build than the engine's (contract/inductor_build.py),
+    """The compiled engine is followed by giving this process's Inductor the engine's graph (at the engine's vector ISA:
+    ``following_simdlen``): refused where the training side does not compile with Inductor, or with another Inductor build
+    than the engine's that no vector width of this CPU turns into it (contract/inductor_build.py),
     or runs FSDP2 units without the engine's norm orders (``norm_orders``: the contract holds them)."""
-    from fx_precision.contract.inductor_build import inductor_build
+    from fx_precision.contract.inductor_build import following_simdlen, inductor_build, same_build
 
     if inner != "inductor":
         raise PrecisionError(
@@ -303,11 +308,12 @@ def check_compiled_engine(engine_inductor: str, inner: str, world_size: int = 0,
             f"engine contract: {COMPILED_ENGINE_UNITS}: roll out again with this version (it reads them), compare in one process "
             "(without --world-size), or roll out with --launch eager"
         )
-    here = inductor_build()
-    if here != engine_inductor:
+    here = inductor_build(following_simdlen(engine_inductor))
+    if not same_build(here, engine_inductor):
         raise PrecisionError(
-            f"engine contract: the engine's Inductor was {engine_inductor!r} and this process's is {here!r}: their kernels sum and "
-            "round otherwise; run the training side with the engine's torch build on the same CPU family"
+            f"engine contract: the engine's Inductor was {engine_inductor!r} and this process's is {here!r}, and no vector width "
+            "of this CPU picks the engine's: their kernels sum and round otherwise; run the training side with the engine's torch "
+            "build on a CPU of the engine's family"
         )
 
 

@@ -205,3 +205,38 @@ def test_the_engines_code_is_told_from_another_isas_in_the_same_cache(tmp_path: 
     write("c", "Vectorized<float>", 16)
     reductions, why = engine_norm_reductions(str(tmp_path), 16)
     assert reductions is None and "spread over 2 compiled graphs" in why
+
+
+def test_an_engines_narrower_vector_isa_is_followed_by_its_width_and_an_unknown_one_refused() -> None:
+    """The engine's Inductor build as the contract holds it: the simdlen field is how an ISA was chosen, not what; an
+    engine that compiled at a narrower ISA this CPU runs (vLLM's avx2 family on an AVX-512 CPU) is followed by setting
+    cpp.simdlen to that width, and the compiled training graph is then generated for it; one no width here picks (another
+    torch, another architecture) is refused in one line, naming both builds."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    from fx_precision.backend import check_compiled_engine
+    from fx_precision.contract.inductor_build import following_simdlen, inductor_build, same_build
+
+    here = inductor_build()
+    assert same_build(here, here.replace("simdlen None", "simdlen 512")) and following_simdlen(here) is None
+    other = here.replace(torch.__version__, "0.0.0")
+    assert not same_build(here, other) and following_simdlen(other) is None
+    with pytest.raises(PrecisionError, match="no vector width of this CPU picks the engine's") as refused:
+        check_compiled_engine(other, "inductor")
+    assert "\n" not in str(refused.value) and "0.0.0" in str(refused.value)
+    widths = sorted({isa.bit_width() for isa in valid_vec_isa_list()})
+    if len(widths) < 2:
+        pytest.skip(f"this CPU's Inductor has one vector width ({widths}): no narrower ISA to follow")
+    narrow = inductor_build(widths[0]).replace(f"simdlen {widths[0]}", "simdlen None")  # as an engine at that ISA records it
+    assert not same_build(here, narrow) and following_simdlen(narrow) == widths[0]
+    check_compiled_engine(narrow, "inductor")  # followed: no refusal
+
+    from torch._inductor import config
+    from torch._inductor.utils import run_and_get_code
+
+    torch._dynamo.reset()
+    with config.patch({"cpp.simdlen": following_simdlen(narrow)}):
+        fn = torch.compile(lambda t: t.float().pow(2).mean(-1, keepdim=True), backend="inductor", dynamic=False)
+        _, (code, *_) = run_and_get_code(fn, torch.randn(4, 256).to(BF16))
+    read = norm_reductions_of(code)
+    assert len(read) == 1 and read[0].width == widths[0] // 32, read  # the kernel's vectors: the engine's width in floats

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -277,6 +278,22 @@ class EngineRows:
             if kv_tiles is not None and p.kv_tiles is not None:
                 kv_tiles[i, : len(p.kv_tiles)] = tiles_tensor(p.kv_tiles, parts)
         return cls(body, logits, orders, dict(fused or {}), kv_tiles)
+
+    @functools.cached_property
+    def body_groups(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        """The body plan's engine-call sizes in increasing order, each with the flat indices of its rows: what
+        ``fxp_engine.linear`` splits a batch by, worked out once per batch, not once per linear."""
+        return _groups(self.body)
+
+    @functools.cached_property
+    def logits_groups(self) -> tuple[tuple[int, torch.Tensor], ...]:
+        """``body_groups`` of the logits plan."""
+        return _groups(self.logits)
+
+
+def _groups(plan: torch.Tensor) -> tuple[tuple[int, torch.Tensor], ...]:
+    flat = plan.reshape(-1)
+    return tuple((int(c), (flat == c).nonzero().flatten()) for c in flat.unique().tolist())
 
 
 @dataclass

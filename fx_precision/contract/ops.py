@@ -299,16 +299,18 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     out_features, in_features = weight.shape
     widths = [w for w in (engine_out, rows.fused.get(where, 0), out_features) if w]  # the fused engine GEMM's, else its own
     w16 = weight.to(torch.bfloat16)
-    out = torch.empty((flat_x.shape[0], out_features), dtype=torch.bfloat16)
-    for count in plan.unique().tolist():
-        index = (plan == count).nonzero().flatten()
-        part = flat_x.index_select(0, index)
+
+    def computed(part: torch.Tensor, count: int) -> torch.Tensor:
         if count == 0:
-            made = torch.nn.functional.linear(part, w16, bias.to(torch.bfloat16) if bias is not None else None)
-        else:
-            order = _row_order(rows, widths, in_features, int(count), where)
-            made = engine_kernels().linear(part, w16, bias, _order_struct(order))
-        out.index_copy_(0, index, made)
+            return torch.nn.functional.linear(part, w16, bias.to(torch.bfloat16) if bias is not None else None)
+        return engine_kernels().linear(part, w16, bias, _order_struct(_row_order(rows, widths, in_features, count, where)))
+
+    groups = rows.logits_groups if logits else rows.body_groups
+    if len(groups) == 1:  # one engine call size for every row
+        return computed(flat_x.contiguous(), groups[0][0]).reshape(*x.shape[:-1], out_features).to(x.dtype)
+    out = torch.empty((flat_x.shape[0], out_features), dtype=torch.bfloat16)
+    for count, index in groups:
+        out.index_copy_(0, index, computed(flat_x.index_select(0, index), count))
     return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
 
 

@@ -8,6 +8,8 @@ logprobs=0), no prompt log-probs.
       log-prob bitwise                                             norms' orders read off the engine's code; Llama and
                                                                    Qwen3; prompts cut into chunks by the scheduler's
                                                                    token budget, samples' prompts prefix-cache hits)
+    an engine run as a narrower CPU family (--isa avx2 on an AVX-512 CPU: its Inductor at 256 bits) is followed at
+      that vector width on FSDP2 x 2 (cpp.simdlen), every sampled log-prob bitwise
     an eager training side, or FSDP2 units without the engine's norm orders (a dump written before they were read),
       are refused in one line before a model is built
 """
@@ -115,3 +117,22 @@ def test_what_the_contract_does_not_follow_on_the_compiled_engine_is_refused_in_
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode == 2 and named in last and "--launch eager" in last, last
     assert "Traceback" not in done.stderr and "Loading weights" not in done.stderr
+
+
+def test_an_engine_run_as_the_avx2_family_is_followed_at_its_vector_width(tmp_path: Path) -> None:
+    """vLLM's AVX2 kernel build and, in it, Inductor at 256 bits (ATen keeps the machine's capability): the contract
+    records that Inductor build and the training side compiles at its width, FSDP2 x 2, 100 % of sampled tokens."""
+    from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+    widths = {isa.bit_width() for isa in valid_vec_isa_list()}
+    if not {256, 512} <= widths:
+        pytest.skip(f"this CPU's Inductor picks widths {sorted(widths)}: an AVX2 engine is the machine's own family here or cannot run")
+    checkpoint = write_tiny_checkpoint("qwen3", tmp_path / "ckpt", seed=23)
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "9,300", "--samples", "2", "--max-tokens", "6", "--temperature", "1.0",
+        "--seed", "5", "--launch", "defaults", "--isa", "avx2", "--out", str(tmp_path / "dump"))  # fmt: skip
+    contract = load_dump(str(tmp_path / "dump")).contract
+    assert ", avx2, " in contract["inductor"] and contract["norm_reductions"], contract["inductor"]
+    report = json.loads(run("compare", "--model", str(checkpoint), "--rollout", str(tmp_path / "dump"), "--contract", "vllm", "--compiled",
+                            "--world-size", "2", "--json").stdout)  # fmt: skip
+    lp = report["logprob"]
+    assert lp["generated"]["tokens"] == 2 * 2 * 6 and lp["generated"]["bitwise_share"] == 1.0, lp["generated"]
