@@ -244,3 +244,15 @@ def test_the_plot_draws_reward_and_mismatch_per_step(tmp_path: Path) -> None:
     assert table(run).count("\n") == 7  # header, rule, six steps
     with pytest.raises(PrecisionError, match=r"a \.png file"):
         plot([("x", run)], tmp_path / "p.svg")
+
+
+def test_module_records_against_the_compiled_engine_are_refused_before_an_engine_starts() -> None:
+    """vLLM at its defaults runs its model as one compiled graph, where module hooks never run: a dump of its modules would
+    hold none, so --modules is refused there, naming the eager launch that records them."""
+    from fx_precision.engines.adapter import RolloutConfig
+
+    with pytest.raises(PrecisionError, match=r"--modules with --launch defaults: .*\(--launch eager\)$"):
+        RolloutConfig(model="ckpt", prompts=((1, 2, 3),), modules=True, launch="defaults")
+    with pytest.raises(PrecisionError, match=r"--modules with --engine-launch defaults: .*\(--engine-launch eager\)$"):
+        OnPolicyConfig(checkpoint="ckpt", out="out", prompt_lens=(8,), modules=True, engine_launch="defaults", compiled=True)
+    assert RolloutConfig(model="ckpt", prompts=((1, 2, 3),), modules=True, launch="eager").modules

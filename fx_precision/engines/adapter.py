@@ -33,6 +33,11 @@ from fx_precision.dump import CallInfo, Dump, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.errors import PrecisionError
 
+COMPILED_MODULES = (
+    "vLLM compiles its model at its defaults, and module hooks do not run inside the compiled graph: the dump would hold no "
+    "module's inputs or outputs; record modules against the eager engine (--launch eager)"
+)
+
 
 @dataclass(frozen=True)
 class RolloutConfig:
@@ -58,6 +63,8 @@ class RolloutConfig:
 
     def __post_init__(self) -> None:
         check_sampling(self.temperature, self.samples, self.top_k, self.top_p)
+        if self.modules and self.launch == "defaults":
+            raise PrecisionError(f"--modules with --launch defaults: {COMPILED_MODULES}")
 
 
 def check_sampling(temperature: float, samples: int, top_k: int = 0, top_p: float = 1.0) -> None:

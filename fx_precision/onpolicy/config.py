@@ -63,6 +63,12 @@ class OnPolicyConfig:
                 f"--engine-launch defaults with --contract {self.contract}: the engine compiles its model with Inductor and the "
                 "trainer computes the same only compiled by Inductor too: pass --compiled, or run --engine-launch eager"
             )
+        if self.modules and self.engine_launch == "defaults":
+            from fx_precision.engines.adapter import COMPILED_MODULES
+
+            raise PrecisionError(
+                f"--modules with --engine-launch defaults: {COMPILED_MODULES.replace('--launch eager', '--engine-launch eager')}"
+            )
         if self.mode not in MODES:
             raise PrecisionError(f"--mode {self.mode!r}: one of {', '.join(MODES)}")
         if not 0.0 <= float(self.temperature) <= 10.0:

@@ -782,7 +782,12 @@ def _rollout_parser(sub: Any) -> None:
         help="the log-probs the engine returns: of the logits as they are (raw, vLLM's default) or as the sampler drew from "
         "them (processed: at the temperature, renormalised over --top-k / --top-p)",
     )  # fmt: skip
-    p.add_argument("--modules", action="store_true", help="also record every module's inputs and outputs (one prefill per sequence)")
+    p.add_argument(
+        "--modules",
+        action="store_true",
+        help="also record every module's inputs and outputs (one prefill per sequence; --launch eager: hooks do not run in the "
+        "compiled engine)",
+    )
     p.add_argument(
         "--threads", type=bounded_int("--threads", 1, 256), default=None,
         help="the engine's OpenMP threads (default: 1 with --launch eager, the machine's cores with --launch defaults)",
@@ -935,7 +940,8 @@ def _onpolicy_parser(sub: Any) -> None:
     )  # fmt: skip
     p.add_argument(
         "--modules", action="store_true",
-        help="strict mode: the step it stops at records the engine's modules, and the comparator names the first origin",
+        help="strict mode: the step it stops at records the engine's modules, and the comparator names the first origin "
+        "(--engine-launch eager)",
     )  # fmt: skip
     p.add_argument("--plot", metavar="PNG", help="write reward and mismatch per step to this PNG (needs matplotlib)")
     _add_out_args(p, "on-policy run")
