@@ -318,6 +318,15 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) inline __mmask16 row_keys16
 }
 
 
+// exp(x) of the keys `in` holds (0 in the other lanes): the AVX-512 polynomial on 16 lanes, else the scalar exp lane by lane.
+__attribute__((target("avx512f,avx512bw,avx512vl"))) inline __m512 engine_exp16(const Problem& P, __m512 x, __mmask16 in) {
+  if (P.exp_kind == EXP_FAST512) return _mm512_maskz_mov_ps(in, fast_exp512_x16(x));
+  alignas(64) float e[16];
+  _mm512_store_ps(e, x);
+  for (int n = 0; n < 16; ++n) e[n] = (in >> n) & 1 ? engine_exp(e[n], P.exp_kind) : 0.0f;
+  return _mm512_load_ps(e);
+}
+
 // ---- the vec variant on AVX-512F: the scalar loops of attention_rowwise, 16 lanes at a time, each lane's arithmetic
 // the scalar loop's op for op (same operands, same order, the same fused or separate multiply-add), so every score,
 // exponential and output is the same bits (tests hold the paths equal, fxp_set_vector_path(3) the scalar one).
@@ -376,16 +385,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void vec_tile_exp(const Pro
   alignas(64) float e[16];
   for (int64_t j0 = tile.first - tile.first % 16; j0 <= tile.last; j0 += 16) {
     const __mmask16 in = row_keys16(tile, j0);
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(s + j0), _mm512_set1_ps(mu));
-    __m512 ev;
-    if (P.exp_kind == EXP_FAST512) {
-      ev = fast_exp512_x16(x);
-    } else {
-      _mm512_store_ps(e, x);
-      for (int n = 0; n < 16; ++n) e[n] = (in >> n) & 1 ? engine_exp(e[n], P.exp_kind) : 0.0f;
-      ev = _mm512_load_ps(e);
-    }
-    ev = _mm512_maskz_mov_ps(in, ev);
+    const __m512 ev = engine_exp16(P, _mm512_sub_ps(_mm512_loadu_ps(s + j0), _mm512_set1_ps(mu)), in);
     sum = _mm512_mask_add_ps(sum, in, sum, ev);
     if (P.p_bf16) {
       _mm512_store_ps(e, ev);
@@ -652,19 +652,9 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) float softmax_row16(const P
   }
   const __m512 m = _mm512_set1_ps(_mm512_reduce_max_ps(vmax));
   __m512 lane = _mm512_setzero_ps();
-  alignas(64) float e[16];
   for (int64_t j0 = j_lo; j0 <= r.last; j0 += 16) {
     const __mmask16 in = keys(j0);
-    const __m512 x = _mm512_sub_ps(_mm512_loadu_ps(srow + j0), m);
-    __m512 ev;
-    if (P.exp_kind == EXP_FAST512) {
-      ev = fast_exp512_x16(x);
-    } else {
-      _mm512_store_ps(e, x);
-      for (int n = 0; n < 16; ++n) e[n] = (in >> n) & 1 ? engine_exp(e[n], P.exp_kind) : 0.0f;
-      ev = _mm512_load_ps(e);
-    }
-    ev = _mm512_maskz_mov_ps(in, ev);
+    const __m512 ev = engine_exp16(P, _mm512_sub_ps(_mm512_loadu_ps(srow + j0), m), in);
     lane = _mm512_mask_add_ps(lane, in, lane, ev);
     _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + j0), bf16_rne_x16(ev));
   }
