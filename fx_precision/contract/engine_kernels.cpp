@@ -25,6 +25,9 @@
 // same order (scores: head dims 0-31, 32-63, ...; P.V: keys 0-31, 32-63, ...): how that instruction
 // sums a chunk is the hardware's, and only the hardware reproduces it bit for bit. It needs AMX (the
 // engine only picks it where AMX is) and the process's AMX permission (torch._C._cpu._init_amx()).
+// The vec variant's sums are sequences per key (scores) and per head dim (P.V), so on AVX-512F it runs them 16
+// keys or 16 dims to a vector, each lane the scalar loop's sequence (attention_rowwise, vec512); the pairs linear
+// runs 64 outputs x 6 rows per pass over K (pairs_panel_rows). Every vector path equals the scalar one bit for bit.
 // Compiled with -ffp-contract=off: every multiply and add rounds as written, fused only where asked.
 
 #include <immintrin.h>
