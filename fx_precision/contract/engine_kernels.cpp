@@ -419,13 +419,60 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void vec_pv_dims(const Prob
   for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
 }
 
-void vec_pv16(const Problem& P, const RowRange& r, int64_t b, int64_t g, int64_t lo, int64_t hi, const float* p, float* acc) {
+// AVX2: the two dot sequences (scores, P.V) 8 lanes to a vector, each lane the scalar loop's sequence as above; the
+// per-key steps of the softmax (max, exp, lane sums) stay the scalar loop's.
+__attribute__((target("avx2,fma"))) void avx2_scores8(const float* qs, const float* kt, int64_t ld, int64_t D, int64_t j_lo, int64_t last,
+                                                     bool fma, float* s) {
+  constexpr int64_t V = 2 * kScoreGroups;  // the same run of keys as vec_scores16, in vectors of 8
+  for (int64_t j0 = j_lo; j0 <= last; j0 += 8 * V) {
+    __m256 acc[V];
+    for (int64_t i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
+    for (int64_t d = 0; d < D; ++d) {
+      const __m256 q = _mm256_set1_ps(qs[d]);
+      const float* col = kt + d * ld + j0;
+      for (int64_t i = 0; i < V; ++i) {
+        const __m256 k = _mm256_loadu_ps(col + 8 * i);
+        acc[i] = fma ? _mm256_fmadd_ps(q, k, acc[i]) : _mm256_add_ps(acc[i], _mm256_mul_ps(q, k));
+      }
+    }
+    for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(s + j0 + 8 * i, acc[i]);
+  }
+}
+
+template <int NV>
+__attribute__((target("avx2,fma"))) void avx2_pv_dims(const Problem& P, const RowRange& tile, const float* p, const uint16_t* v0,
+                                                      int64_t v_stride, float* acc) {
+  __m256 a[NV];
+  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
+  for (int64_t j = tile.first; j <= tile.last; ++j) {
+    if (!tile.allowed(j)) continue;
+    const __m256 pj = _mm256_set1_ps(p[j]);
+    const uint16_t* vrow = v0 + j * v_stride;
+    for (int i = 0; i < NV; ++i) {
+      const __m256 vv = _mm256_castsi256_ps(
+          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow + 8 * i))), 16));
+      a[i] = P.fma ? _mm256_fmadd_ps(pj, vv, a[i]) : _mm256_add_ps(a[i], _mm256_mul_ps(pj, vv));
+    }
+  }
+  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
+}
+
+// acc[d] += p_j * v_j[d] over the row's keys in lo..hi in key order: AVX-512F (16 dims to a vector) or AVX2 (8).
+void vec_pv(const Problem& P, const RowRange& r, int64_t b, int64_t g, int64_t lo, int64_t hi, const float* p, float* acc, bool avx512) {
   const RowRange tile{std::max(r.first, lo), std::min(r.last, hi), r.mrow};
   const int64_t v_stride = P.KVH * P.D;
   const uint16_t* v0 = P.v + (b * P.S * P.KVH + g) * P.D;
   for (int64_t d0 = 0; d0 < P.D;) {
     const int64_t left = (P.D - d0) / 16;
-    if (left >= 8) {
+    if (!avx512) {
+      if (left >= 4) {
+        avx2_pv_dims<8>(P, tile, p, v0 + d0, v_stride, acc + d0);
+        d0 += 64;
+      } else {
+        avx2_pv_dims<2>(P, tile, p, v0 + d0, v_stride, acc + d0);
+        d0 += 16;
+      }
+    } else if (left >= 8) {
       vec_pv_dims<8>(P, tile, p, v0 + d0, v_stride, acc + d0);
       d0 += 128;
     } else if (left >= 4) {
@@ -443,18 +490,20 @@ void vec_pv16(const Problem& P, const RowRange& r, int64_t b, int64_t g, int64_t
 // online softmax takes them (module comment, "KV tiles").
 void attention_rowwise(const Problem& P, bool hardware_amx) {
   const int64_t D = P.D, S = P.S;
-  const bool vec512 = !P.amx && !hardware_amx && D % 16 == 0 && g_vector_path <= 1 && __builtin_cpu_supports("avx512f") &&
-                      __builtin_cpu_supports("avx512bw") && __builtin_cpu_supports("avx512vl");
+  const bool vec = !P.amx && !hardware_amx && D % 16 == 0;  // the vec variant: its dot sequences vectorise
+  const bool vec512 = vec && g_vector_path <= 1 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                      __builtin_cpu_supports("avx512vl");
+  const bool dots = vec512 || (vec && g_vector_path <= 2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"));
   const int64_t ld = (S + 15) / 16 * 16 + 16 * kScoreGroups;  // a run of groups from any key stays inside
   parallel_ranges(P.B * P.H, P.threads, [&](int64_t begin, int64_t end) {
-    std::vector<float> s(ld), e(S), p(ld), qs(D), acc(D), total(D), kt(vec512 ? D * ld : 0);
+    std::vector<float> s(ld), e(S), p(ld), qs(D), acc(D), total(D), kt(dots ? D * ld : 0);
     std::vector<uint16_t> pchunk(32), bvnni(32 * 16);
     alignas(64) float cbuf[16];
     int64_t kt_of = -1;  // the (batch, kv head) kt holds
     if (hardware_amx) amx_configure();
     for (int64_t bh = begin; bh < end; ++bh) {
       const int64_t b = bh / P.H, h = bh % P.H, g = h / P.group;
-      if (vec512 && kt_of != b * P.KVH + g) {
+      if (dots && kt_of != b * P.KVH + g) {
         transpose_keys(P, b, g, ld, kt.data());
         kt_of = b * P.KVH + g;
       }
@@ -490,7 +539,8 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
           }
         }
         if (vec512) vec_scores16(qs.data(), kt.data(), ld, D, first - first % 16, last, P.fma, s.data());
-        for (int64_t j = first; j <= last && !hardware_amx && !vec512; ++j) {
+        if (dots && !vec512) avx2_scores8(qs.data(), kt.data(), ld, D, first - first % 16, last, P.fma, s.data());
+        for (int64_t j = first; j <= last && !hardware_amx && !dots; ++j) {
           if (!allowed(j)) continue;
           const uint16_t* krow = P.k + ((b * S + j) * P.KVH + g) * D;
           float a = 0.0f;
@@ -581,8 +631,8 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
                 for (int n = 0; n < 16; ++n) acc[d0 + n] = cbuf[n];
               }
             }
-            if (vec512) vec_pv16(P, range, b, g, lo, hi, p.data(), acc.data());
-            for (int64_t j = lo; j <= hi && !hardware_amx && !vec512; ++j) {
+            if (dots) vec_pv(P, range, b, g, lo, hi, p.data(), acc.data(), vec512);
+            for (int64_t j = lo; j <= hi && !hardware_amx && !dots; ++j) {
               if (!allowed(j)) continue;
               const uint16_t* vrow = P.v + ((b * S + j) * P.KVH + g) * D;
               const float pj = P.flush ? ftz(p[j]) : p[j];
