@@ -171,6 +171,7 @@ def test_the_orders_bind_to_a_models_norms_in_forward_order_or_are_refused() -> 
 def test_the_contract_carries_the_orders_and_refuses_them_without_inductor() -> None:
     from fx_precision.backend import check_compiled_engine
     from fx_precision.contract.inductor_build import inductor_build
+    from fx_precision.contract.ops import inductor_sum_squares  # the op, registered by its module (not by test order)
     from tests.test_compiled_engine_contract import _compiled_contract
 
     contract = EngineContract(**{**_compiled_contract().__dict__, "norm_reductions": (NormReduction(32, 16, 128, "model.norm"),)})
@@ -183,7 +184,7 @@ def test_the_contract_carries_the_orders_and_refuses_them_without_inductor() -> 
         check_compiled_engine(inductor_build(), "inductor", world_size=2)
     check_compiled_engine(inductor_build(), "inductor", world_size=2, norm_orders=True)
     with pytest.raises(PrecisionError, match="no bound norm module holds it"):
-        torch.ops.fxp_engine.inductor_sum_squares(torch.ones(2, 8), torch.ones(8))
+        inductor_sum_squares(torch.ones(2, 8), torch.ones(8))
 
 
 def test_the_engines_code_is_told_from_another_isas_in_the_same_cache(tmp_path: Path) -> None:

@@ -26,7 +26,7 @@
 // sums a chunk is the hardware's, and only the hardware reproduces it bit for bit. It needs AMX (the
 // engine only picks it where AMX is) and the process's AMX permission (torch._C._cpu._init_amx()).
 // The vec variant's sums are sequences per key (scores) and per head dim (P.V), so on AVX-512F it runs them 16
-// keys or 16 dims to a vector, each lane the scalar loop's sequence (attention_rowwise, vec512); the pairs linear
+// keys or 16 dims to a vector (AVX2: its dots 8 lanes wide), each lane the scalar loop's sequence (FXP_VEC_DOTS); the pairs linear
 // runs 64 outputs x 6 rows per pass over K (pairs_panel_rows). Every vector path equals the scalar one bit for bit.
 // Compiled with -ffp-contract=off: every multiply and add rounds as written, fused only where asked.
 
@@ -346,24 +346,6 @@ void transpose_keys(const Problem& P, int64_t b, int64_t g, int64_t ld, float* k
   }
 }
 
-// s_j = sum_d qs[d] * k_j[d] from 0 in d order, 16 keys to a vector: keys j_lo.. up to last (j_lo a multiple of 16).
-__attribute__((target("avx512f"))) void vec_scores16(const float* qs, const float* kt, int64_t ld, int64_t D, int64_t j_lo, int64_t last,
-                                                      bool fma, float* s) {
-  for (int64_t j0 = j_lo; j0 <= last; j0 += 16 * kScoreGroups) {
-    __m512 acc[kScoreGroups];
-    for (int64_t i = 0; i < kScoreGroups; ++i) acc[i] = _mm512_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m512 q = _mm512_set1_ps(qs[d]);
-      const float* col = kt + d * ld + j0;
-      for (int64_t i = 0; i < kScoreGroups; ++i) {
-        const __m512 k = _mm512_loadu_ps(col + 16 * i);
-        acc[i] = fma ? _mm512_fmadd_ps(q, k, acc[i]) : _mm512_add_ps(acc[i], _mm512_mul_ps(q, k));
-      }
-    }
-    for (int64_t i = 0; i < kScoreGroups; ++i) _mm512_storeu_ps(s + j0 + 16 * i, acc[i]);
-  }
-}
-
 // The largest score of the row's keys in lo..hi, from `m` (max is exact: any order gives the same float).
 __attribute__((target("avx512f,avx512bw,avx512vl"))) float vec_tile_max(const RowRange& r, const float* s, int64_t lo, int64_t hi, float m,
                                                                         bool* any) {
@@ -400,88 +382,72 @@ __attribute__((target("avx512f,avx512bw,avx512vl"))) void vec_tile_exp(const Pro
   _mm512_storeu_ps(lane, sum);
 }
 
-// acc[d] += p_j * v_j[d] over the row's keys in lo..hi in key order, 16 head dims to a vector, NV vectors side by side.
-template <int NV>
-__attribute__((target("avx512f,avx512bw,avx512vl"))) void vec_pv_dims(const Problem& P, const RowRange& tile, const float* p,
-                                                                      const uint16_t* v0, int64_t v_stride, float* acc) {
-  __m512 a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = _mm512_loadu_ps(acc + 16 * i);
-  for (int64_t j = tile.first; j <= tile.last; ++j) {
-    if (!tile.allowed(j)) continue;
-    const __m512 pj = _mm512_set1_ps(p[j]);
-    const uint16_t* vrow = v0 + j * v_stride;
-    for (int i = 0; i < NV; ++i) {
-      const __m512 vv = _mm512_castsi512_ps(
-          _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(vrow + 16 * i))), 16));
-      a[i] = P.fma ? _mm512_fmadd_ps(pj, vv, a[i]) : _mm512_add_ps(a[i], _mm512_mul_ps(pj, vv));
-    }
+// The vec variant's two dot sequences, W lanes to a vector (VEC), each lane the scalar loop's sequence op for op:
+//   SCORES  s_j = sum_d qs[d] * k_j[d] from 0 in d order, keys j_lo.. up to last (j_lo a multiple of 16), the same
+//           run of 16 * kScoreGroups keys side by side whatever W
+//   PV      acc[d] += p_j * v_j[d] over the tile's keys in key order, NV vectors of head dims side by side
+// LOADU, STOREU, SET1, ZERO, FMA(a, b, c) = a * b + c rounded once, MUL, ADD, and BF16(p) (W bf16 values widened) are
+// the ISA's operations; the per-key softmax steps are the callers'.
+#define FXP_VEC_DOTS(SCORES, PV, TARGET, VEC, W, LOADU, STOREU, SET1, ZERO, FMA, MUL, ADD, BF16)                                    \
+  __attribute__((target(TARGET))) void SCORES(const float* qs, const float* kt, int64_t ld, int64_t D, int64_t j_lo, int64_t last,   \
+                                              bool fma, float* s) {                                                                 \
+    constexpr int64_t V = 16 * kScoreGroups / (W);                                                                                 \
+    for (int64_t j0 = j_lo; j0 <= last; j0 += 16 * kScoreGroups) {                                                                 \
+      VEC acc[V];                                                                                                                  \
+      for (int64_t i = 0; i < V; ++i) acc[i] = ZERO();                                                                             \
+      for (int64_t d = 0; d < D; ++d) {                                                                                            \
+        const VEC q = SET1(qs[d]);                                                                                                 \
+        const float* col = kt + d * ld + j0;                                                                                       \
+        for (int64_t i = 0; i < V; ++i) {                                                                                          \
+          const VEC k = LOADU(col + (W) * i);                                                                                      \
+          acc[i] = fma ? FMA(q, k, acc[i]) : ADD(acc[i], MUL(q, k));                                                               \
+        }                                                                                                                          \
+      }                                                                                                                            \
+      for (int64_t i = 0; i < V; ++i) STOREU(s + j0 + (W) * i, acc[i]);                                                            \
+    }                                                                                                                              \
+  }                                                                                                                                \
+  template <int NV>                                                                                                                \
+  __attribute__((target(TARGET))) void PV(const Problem& P, const RowRange& tile, const float* p, const uint16_t* v0, int64_t v_stride, \
+                                          float* acc) {                                                                             \
+    VEC a[NV];                                                                                                                     \
+    for (int i = 0; i < NV; ++i) a[i] = LOADU(acc + (W) * i);                                                                      \
+    for (int64_t j = tile.first; j <= tile.last; ++j) {                                                                            \
+      if (!tile.allowed(j)) continue;                                                                                              \
+      const VEC pj = SET1(p[j]);                                                                                                   \
+      const uint16_t* vrow = v0 + j * v_stride;                                                                                    \
+      for (int i = 0; i < NV; ++i) {                                                                                               \
+        const VEC vv = BF16(vrow + (W) * i);                                                                                       \
+        a[i] = P.fma ? FMA(pj, vv, a[i]) : ADD(a[i], MUL(pj, vv));                                                                 \
+      }                                                                                                                            \
+    }                                                                                                                              \
+    for (int i = 0; i < NV; ++i) STOREU(acc + (W) * i, a[i]);                                                                      \
   }
-  for (int i = 0; i < NV; ++i) _mm512_storeu_ps(acc + 16 * i, a[i]);
-}
 
-// AVX2: the two dot sequences (scores, P.V) 8 lanes to a vector, each lane the scalar loop's sequence as above; the
-// per-key steps of the softmax (max, exp, lane sums) stay the scalar loop's.
-__attribute__((target("avx2,fma"))) void avx2_scores8(const float* qs, const float* kt, int64_t ld, int64_t D, int64_t j_lo, int64_t last,
-                                                     bool fma, float* s) {
-  constexpr int64_t V = 2 * kScoreGroups;  // the same run of keys as vec_scores16, in vectors of 8
-  for (int64_t j0 = j_lo; j0 <= last; j0 += 8 * V) {
-    __m256 acc[V];
-    for (int64_t i = 0; i < V; ++i) acc[i] = _mm256_setzero_ps();
-    for (int64_t d = 0; d < D; ++d) {
-      const __m256 q = _mm256_set1_ps(qs[d]);
-      const float* col = kt + d * ld + j0;
-      for (int64_t i = 0; i < V; ++i) {
-        const __m256 k = _mm256_loadu_ps(col + 8 * i);
-        acc[i] = fma ? _mm256_fmadd_ps(q, k, acc[i]) : _mm256_add_ps(acc[i], _mm256_mul_ps(q, k));
-      }
-    }
-    for (int64_t i = 0; i < V; ++i) _mm256_storeu_ps(s + j0 + 8 * i, acc[i]);
-  }
-}
+#define VEC512_BF16(p) \
+  _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16))
+FXP_VEC_DOTS(dot_scores_avx512, dot_pv_avx512, "avx512f", __m512, 16, _mm512_loadu_ps, _mm512_storeu_ps, _mm512_set1_ps,
+             _mm512_setzero_ps, _mm512_fmadd_ps, _mm512_mul_ps, _mm512_add_ps, VEC512_BF16)
+#define VEC256_BF16(p) \
+  _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), 16))
+FXP_VEC_DOTS(dot_scores_avx2, dot_pv_avx2, "avx2,fma", __m256, 8, _mm256_loadu_ps, _mm256_storeu_ps, _mm256_set1_ps,
+             _mm256_setzero_ps, _mm256_fmadd_ps, _mm256_mul_ps, _mm256_add_ps, VEC256_BF16)
 
-template <int NV>
-__attribute__((target("avx2,fma"))) void avx2_pv_dims(const Problem& P, const RowRange& tile, const float* p, const uint16_t* v0,
-                                                      int64_t v_stride, float* acc) {
-  __m256 a[NV];
-  for (int i = 0; i < NV; ++i) a[i] = _mm256_loadu_ps(acc + 8 * i);
-  for (int64_t j = tile.first; j <= tile.last; ++j) {
-    if (!tile.allowed(j)) continue;
-    const __m256 pj = _mm256_set1_ps(p[j]);
-    const uint16_t* vrow = v0 + j * v_stride;
-    for (int i = 0; i < NV; ++i) {
-      const __m256 vv = _mm256_castsi256_ps(
-          _mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(vrow + 8 * i))), 16));
-      a[i] = P.fma ? _mm256_fmadd_ps(pj, vv, a[i]) : _mm256_add_ps(a[i], _mm256_mul_ps(pj, vv));
-    }
-  }
-  for (int i = 0; i < NV; ++i) _mm256_storeu_ps(acc + 8 * i, a[i]);
-}
+using PvFn = void (*)(const Problem&, const RowRange&, const float*, const uint16_t*, int64_t, float*);
+constexpr int64_t kPvVectors[3] = {8, 4, 1};  // the runs' vectors, widest first
+constexpr PvFn kPvAvx512[3] = {dot_pv_avx512<8>, dot_pv_avx512<4>, dot_pv_avx512<1>};
+constexpr PvFn kPvAvx2[3] = {dot_pv_avx2<8>, dot_pv_avx2<4>, dot_pv_avx2<1>};
 
-// acc[d] += p_j * v_j[d] over the row's keys in lo..hi in key order: AVX-512F (16 dims to a vector) or AVX2 (8).
+// acc[d] += p_j * v_j[d] over the row's keys in lo..hi in key order: the head dims in runs of 8, 4 or 1 vectors of
+// 16 (AVX-512F) or 8 (AVX2) lanes.
 void vec_pv(const Problem& P, const RowRange& r, int64_t b, int64_t g, int64_t lo, int64_t hi, const float* p, float* acc, bool avx512) {
   const RowRange tile{std::max(r.first, lo), std::min(r.last, hi), r.mrow};
-  const int64_t v_stride = P.KVH * P.D;
+  const int64_t v_stride = P.KVH * P.D, lanes = avx512 ? 16 : 8;
   const uint16_t* v0 = P.v + (b * P.S * P.KVH + g) * P.D;
   for (int64_t d0 = 0; d0 < P.D;) {
-    const int64_t left = (P.D - d0) / 16;
-    if (!avx512) {
-      if (left >= 4) {
-        avx2_pv_dims<8>(P, tile, p, v0 + d0, v_stride, acc + d0);
-        d0 += 64;
-      } else {
-        avx2_pv_dims<2>(P, tile, p, v0 + d0, v_stride, acc + d0);
-        d0 += 16;
-      }
-    } else if (left >= 8) {
-      vec_pv_dims<8>(P, tile, p, v0 + d0, v_stride, acc + d0);
-      d0 += 128;
-    } else if (left >= 4) {
-      vec_pv_dims<4>(P, tile, p, v0 + d0, v_stride, acc + d0);
-      d0 += 64;
-    } else {
-      vec_pv_dims<1>(P, tile, p, v0 + d0, v_stride, acc + d0);
-      d0 += 16;
-    }
+    int run = 0;
+    while (kPvVectors[run] > (P.D - d0) / lanes) ++run;
+    (avx512 ? kPvAvx512 : kPvAvx2)[run](P, tile, p, v0 + d0, v_stride, acc + d0);
+    d0 += kPvVectors[run] * lanes;
   }
 }
 
@@ -538,8 +504,7 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             }
           }
         }
-        if (vec512) vec_scores16(qs.data(), kt.data(), ld, D, first - first % 16, last, P.fma, s.data());
-        if (dots && !vec512) avx2_scores8(qs.data(), kt.data(), ld, D, first - first % 16, last, P.fma, s.data());
+        if (dots) (vec512 ? dot_scores_avx512 : dot_scores_avx2)(qs.data(), kt.data(), ld, D, first - first % 16, last, P.fma, s.data());
         for (int64_t j = first; j <= last && !hardware_amx && !dots; ++j) {
           if (!allowed(j)) continue;
           const uint16_t* krow = P.k + ((b * S + j) * P.KVH + g) * D;
@@ -1135,10 +1100,9 @@ inline uint32_t x_pair(const uint16_t* row, int64_t K, int64_t pair) {
     }                                                                                                                                  \
   }
 
-// AVX-512 BF16: the hardware instruction (pairs_panel_rows below runs it; the macros serve the emulating paths).
+// AVX-512 vectors for the emulating groups kernel below (the hardware instruction runs in pairs_panel_rows).
 #define BF16_ZERO() _mm512_setzero_ps()
 #define BF16_LOADW(p) _mm512_loadu_si512(p)
-#define BF16_DOT(acc, xp, w) _mm512_dpbf16_ps(acc, (__m512bh)_mm512_set1_epi32(static_cast<int>(xp)), (__m512bh)(w))
 #define BF16_ADD(a, b) _mm512_add_ps(a, b)
 
 // AVX-512F: the odd products, then the even ones (exact products: a fused multiply-add rounds once, as VDPBF16PS does);

@@ -25,9 +25,9 @@ def inductor_build(simdlen: int | None = None) -> str:
     from torch._inductor import config
     from torch._inductor.cpu_vec_isa import pick_vec_isa
 
-    with config.patch({"cpp.simdlen": simdlen if simdlen is not None else config.cpp.simdlen}):
+    chosen = simdlen if simdlen is not None else config.cpp.simdlen
+    with config.patch({"cpp.simdlen": chosen}):
         isa = pick_vec_isa()
-        chosen = config.cpp.simdlen
     contract_flag = config.cpp.enable_floating_point_contract_flag
     return f"torch {torch.__version__}, {isa or 'no vector ISA'}, simdlen {chosen}, fp-contract {contract_flag}"
 
