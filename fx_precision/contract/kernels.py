@@ -338,7 +338,8 @@ class EngineKernels:
         out = torch.empty((P, (K + 31) // 32), dtype=torch.float32)
         hardware = self.cpu_has_amx() and torch._C._cpu._init_amx()
         run = self.lib.fxp_chunk_dots if hardware else self.lib.fxp_chunk_dots_emulated
-        run(x.contiguous().data_ptr(), w.contiguous().data_ptr(), out.data_ptr(), P, K)
+        x, w = x.contiguous(), w.contiguous()  # held until the call returns: a pointer outlives no tensor
+        run(x.data_ptr(), w.data_ptr(), out.data_ptr(), P, K)
         return out
 
     def order_fold(self, dots: torch.Tensor, bias: torch.Tensor | None, order: LinearOrderStruct) -> torch.Tensor:
@@ -348,8 +349,9 @@ class EngineKernels:
             raise PrecisionError(f"order_fold: the order's blocks do not cover the {chunks} chunks")
         b32 = bias.to(torch.float32).contiguous() if bias is not None else None
         out = torch.empty(P, dtype=torch.bfloat16)
+        dots = dots.contiguous()
         self.lib.fxp_order_fold(
-            dots.contiguous().data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), P, chunks, ctypes.byref(order)
+            dots.data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), P, chunks, ctypes.byref(order)
         )
         return out
 
@@ -362,8 +364,9 @@ class EngineKernels:
         _check_order(order, x.shape[1], "product_fold")
         b32 = bias.to(torch.float32).contiguous() if bias is not None else None
         out = torch.empty(x.shape[0], dtype=torch.bfloat16)
+        x, w = x.contiguous(), w.contiguous()
         self.lib.fxp_product_fold(
-            x.contiguous().data_ptr(), w.contiguous().data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), *x.shape,
+            x.data_ptr(), w.data_ptr(), b32.data_ptr() if b32 is not None else None, out.data_ptr(), *x.shape,
             ctypes.byref(order),
         )  # fmt: skip
         return out
