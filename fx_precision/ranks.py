@@ -14,11 +14,13 @@ result]``; the CLI prints on rank 0 only.
 No rank outlives its run: a rank dies with the process that forked it (``lifetime.die_with_parent``), a stop signal
 in a rank raises ``lifetime.Stopped`` there (its finally blocks run), and a stop signal in the parent stops every rank
 (SIGTERM, then SIGKILL after a grace period) before ``Stopped`` leaves ``run_on_ranks``. A rank that fails takes the
-others down with it (torch's process context terminates them).
+others down with it (torch's process context terminates them); one a fatal signal ends (SIGSEGV, SIGABRT: native code)
+prints its Python stack to the log first (faulthandler) and is named with the signal in one line.
 """
 
 from __future__ import annotations
 
+import faulthandler
 import os
 import pickle
 import signal
@@ -94,6 +96,7 @@ def _worker(
     rank: int, world_size: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str]
 ) -> None:
     die_with_parent(signal.SIGTERM)  # the fork server (or the parent) gone: this rank stops too
+    faulthandler.enable()  # a rank a fatal signal ends (SIGSEGV, SIGABRT) prints its Python stack to the log first
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the fork server's from its start
     share = max(1, (os.cpu_count() or 1) // world_size)

@@ -287,3 +287,13 @@ def fail_on_rank_one(rank: int, world_size: int, directory: str) -> None:
     while not Path(directory, "started-0").exists() and time.monotonic() < deadline:
         time.sleep(0.05)
     raise ValueError("rank one's own failure")
+
+
+def abort_in_native_code_on_rank_one(rank: int, world_size: int, directory: str) -> None:
+    """Rank 1 dies of SIGABRT (as a heap check in native code ends a process); rank 0 waits (tests/test_lifetime.py)."""
+    import os
+
+    if rank == 0:
+        sleep_and_note_exit(rank, world_size, directory)
+        return
+    os.abort()

@@ -100,3 +100,25 @@ def test_a_failed_rank_is_reported_as_the_failure_not_as_its_peers_stop(tmp_path
     with pytest.raises(RuntimeError, match=r"rank 1 failed: ValueError: rank one's own failure"):
         run_on_ranks(fail_on_rank_one, 2, str(tmp_path))
     assert (tmp_path / "exited-0").exists()  # the peer was stopped, its finally block ran
+
+
+RANK_ABORTED = """
+import sys
+from fx_precision.errors import PrecisionError
+from fx_precision.ranks import run_on_ranks
+from tests.fsdp_workers import abort_in_native_code_on_rank_one
+try:
+    run_on_ranks(abort_in_native_code_on_rank_one, 2, sys.argv[1])
+except PrecisionError as exc:
+    print("REFUSED", exc)
+"""
+
+
+def test_a_rank_a_fatal_signal_ends_is_one_line_and_its_python_stack_is_in_the_log(tmp_path: Path) -> None:
+    """A rank killed by SIGABRT (a native heap check) ends the run with one line naming the rank and the signal, and the
+    rank's own Python stack, down to the function that was running, is on stderr for the one who reads the log."""
+    root = Path(__file__).resolve().parents[1]
+    done = subprocess.run([sys.executable, "-c", RANK_ABORTED, str(tmp_path)], capture_output=True, text=True, timeout=120, cwd=root,
+                          env={**os.environ, "PYTHONPATH": str(root)})  # fmt: skip
+    assert "REFUSED rank 1 was killed by SIGABRT without a result" in done.stdout, (done.stdout, done.stderr[-2000:])
+    assert "Fatal Python error: Aborted" in done.stderr and "abort_in_native_code_on_rank_one" in done.stderr, done.stderr[-2000:]
