@@ -78,9 +78,10 @@ def use_device(device: str) -> None:
 
 
 # Ranks start from a fork server that has imported these once: a rank is a fork of it (a fraction of a
-# second), not a fresh interpreter importing torch and transformers (seconds each). The server is
-# single-threaded when it forks (imports start no thread pool), and a rank takes the parent's
-# environment as of the call (_worker), so it sees what a spawned rank would.
+# second), not a fresh interpreter importing torch and transformers (seconds each). The server runs no
+# Python thread when it forks; its one native thread is OpenBLAS's (numpy, which torch imports), whose
+# own fork handler stops it. A rank takes the parent's environment as of the call (_worker), so it
+# sees what a spawned rank would.
 _PRELOAD = ("torch", "torch.distributed", "torch.distributed.fsdp", "transformers", "fx_precision", "fx_precision.fsdp",
             "fx_precision.census", "fx_precision.backend", "fx_precision.tools.zoo", "fx_precision.ranks")  # fmt: skip
 
