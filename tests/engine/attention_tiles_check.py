@@ -27,10 +27,11 @@ CALLS = [
 isa = "amx" if torch.cpu._is_amx_tile_supported() else "vec"  # the engine's own pick at bf16, block size 128
 l2 = int(torch.cpu.get_capabilities().get("l2_cache_size") or 0)
 assert torch.get_num_threads() == threads and l2 > 0, (torch.get_num_threads(), l2)
-arith, found = match_attention(lambda r: engine_attention_batch(isa, 128, r, DIM**-0.5, split_kv), HEADS, KV_HEADS, DIM,
-                               torch.Generator().manual_seed(0))  # fmt: skip
-assert arith is not None, found
 tiling = KvTiling(isa, l2, DIM, HEADS, KV_HEADS, threads, split_kv)
+# the probe's lengths cross KV tiles where the L2 is small (512 KiB on Zen 3: 333 keys are two tiles), as the rollout's
+arith, found = match_attention(lambda r: engine_attention_batch(isa, 128, r, DIM**-0.5, split_kv), HEADS, KV_HEADS, DIM,
+                               torch.Generator().manual_seed(0), tiling)  # fmt: skip
+assert arith is not None, found
 gen = torch.Generator().manual_seed(1)
 tiled, one_pass, parts = [], 0, 0
 for shape in CALLS:

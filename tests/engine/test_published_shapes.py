@@ -62,7 +62,11 @@ def test_the_rollout_read_every_linear_call_it_made(shaped: dict[str, Path]) -> 
     tiling = contract["kv_tiling"]  # where the engine's attention placed its KV tiles: what the training side follows
     assert tiling["head_dim"] == 128 and tiling["threads"] == 1 and tiling["l2_cache_bytes"] > 0, tiling
     orders = {json.dumps(call["order"]) for call in contract["linears"]["calls"]}
-    assert len(orders) > 1, orders  # at these widths the engine's GEMM sums calls of other sizes in other orders
+    kernels = {call["order"]["kernel"] for call in contract["linears"]["calls"]}
+    if kernels == {"lanes"}:  # torch's F.linear (oneDNN refuses bf16 on AVX2): one order for every row count, by design
+        assert len(orders) == 1, orders
+    else:  # at these widths oneDNN's GEMM sums calls of other sizes in other orders
+        assert len(orders) > 1, orders
 
 
 @pytest.mark.parametrize(("extra", "threads"), [((), None), (("--compiled",), None), ((), 1)], ids=["eager", "inductor", "eager-1-thread"])
