@@ -2,7 +2,7 @@
 
 The checker below reads the graphs handed to the inner compiler and never calls fx_precision's
 analysis: an fp32 tensor is a stream tensor when a user sits in another module or it leaves the
-graph (module = the innermost entry of Dynamo's ``nn_module_stack``).
+graph (module = the innermost entry of Dynamo's ``nn_module_stack`` reached from the call's arguments).
 
 The default run sweeps one architecture per family of patterns (FAST); ``pytest --slow`` sweeps
 every architecture of the zoo, as ``fx-precision sweep`` does.
@@ -40,8 +40,10 @@ PATTERNS = {
 
 def fp32_stream(gm: fx.GraphModule) -> list[fx.Node]:
     def owner(node: fx.Node) -> object:
-        stack = node.meta.get("nn_module_stack") or {}
-        return next(reversed(stack.values()))[0] if stack else None
+        # the model's modules only: Dynamo reaches them from the call's arguments (L[...]); a function transformers
+        # dresses as a module (>= 5.25 with the kernels package: G[...].torch_chunk_gated_delta_rule) is no boundary
+        stack = [path for path, _ in (node.meta.get("nn_module_stack") or {}).values() if str(path).startswith("L[")]
+        return stack[-1] if stack else None
 
     out = []
     for node in gm.graph.nodes:

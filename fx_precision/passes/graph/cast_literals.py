@@ -52,16 +52,22 @@ def _evaluation_order(node: ast.AST) -> Iterator[ast.AST]:
     yield node
 
 
-def _cast_calls_at(tree: ast.Module, line: int) -> list[ast.Call]:
+@functools.lru_cache(maxsize=4096)
+def _cast_calls_at(file: str, line: int) -> tuple[ast.Call, ...]:
+    """The cast calls of the innermost statement at ``line`` of ``file``, in evaluation order (cached: a model runs
+    one line in every layer, and walking a modeling file's tree per cast node dominated the analysis of a 32-layer model)."""
+    tree = _module_ast(file)
+    if tree is None:
+        return ()
     statements = [s for s in ast.walk(tree) if isinstance(s, ast.stmt) and s.lineno <= line <= (s.end_lineno or s.lineno)]
     if not statements:
-        return []
+        return ()
     innermost = min(statements, key=lambda s: (s.end_lineno or s.lineno) - s.lineno)
-    return [
+    return tuple(
         call
         for call in _evaluation_order(innermost)
         if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) and call.func.attr in CAST_METHODS and call.lineno == line
-    ]
+    )
 
 
 def _names_a_dtype(call: ast.Call) -> bool:
@@ -79,10 +85,9 @@ def names_literal_dtype(node: fx.Node) -> bool:
     if frame is None:
         return True
     file, line, code = frame
-    tree = _module_ast(file)
-    if tree is not None:
-        calls = _cast_calls_at(tree, line)
+    calls = _cast_calls_at(file, line)
+    if calls:
         peers = [n for n in node.graph.nodes if is_cast(n) and _frame(n) == frame]
-        if calls and len(peers) % len(calls) == 0:  # each execution of the line traces its casts in order
+        if len(peers) % len(calls) == 0:  # each execution of the line traces its casts in order
             return _names_a_dtype(calls[peers.index(node) % len(calls)])
     return bool(LITERAL_DTYPE.search(code))

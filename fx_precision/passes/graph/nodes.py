@@ -8,6 +8,7 @@ to placeholders named after their source (``l_self_modules_model_modules_embed_t
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 from collections.abc import Callable, Collection, Iterator
@@ -61,12 +62,18 @@ def normalise_source(text: str) -> str:
 
 
 def module_path(node: fx.Node) -> str:
-    """FQN of the innermost module the node was traced in ("" for the traced root)."""
+    """FQN of the innermost module of the model the node was traced in ("" for the traced root).
+
+    Only modules Dynamo reached from the traced call's arguments (``L[...]``) are the model's. A module it reached
+    through a global is a function dressed as a module, no part of the model's tree: transformers >= 5.25 with the
+    ``kernels`` package calls ``torch_chunk_gated_delta_rule`` and ``causal_conv1d_forward`` as
+    ``G['...modeling_qwen3_5'].torch_chunk_gated_delta_rule``, an ``nn.Module`` held in no parent. Its ops belong
+    to the model's module that called it, as a plain function's do."""
     stack = node.meta.get("nn_module_stack") or {}
-    if not stack:
-        return ""
-    path, _ = list(stack.values())[-1]
-    return normalise_source(str(path))
+    for path, _ in reversed(list(stack.values())):
+        if _ROOT.match(str(path)):
+            return normalise_source(str(path))
+    return ""
 
 
 class StackFrame(NamedTuple):
@@ -88,7 +95,13 @@ def stack_frame(node: fx.Node) -> StackFrame | None:
     """The innermost frame of ``meta["stack_trace"]`` (the line of user code that made the node), or None; a frame of
     fx_precision's own torch-function mode (routes.RouteTap, entered around a forward) is skipped: every op traced
     under it passes through it, and the line that made the op is the program's one before."""
-    frames = [f for f in _FRAME.findall(node.meta.get("stack_trace") or "") if not f[0].endswith(_OWN_MODES)]
+    return _innermost_frame(node.meta.get("stack_trace") or "")
+
+
+@functools.lru_cache(maxsize=65536)
+def _innermost_frame(trace: str) -> StackFrame | None:
+    """Parsed once per distinct trace (a str hashes once): the analysis asks for every cast node's frame per cast."""
+    frames = [f for f in _FRAME.findall(trace) if not f[0].endswith(_OWN_MODES)]
     if not frames:
         return None
     file, line, function, code = frames[-1]
