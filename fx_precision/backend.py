@@ -161,6 +161,7 @@ class PrecisionBackend:
         _inner_compiler(inner)  # an unknown name fails here, before any graph is compiled
         self.units = UnitIndex.from_plan(plan) if plan is not None else UnitIndex.from_units({"": None})
         self.reports: list[GraphReport] = []
+        self._hop_breaks = _hop_graph_breaks()  # the ones before this backend compiled anything
 
     def _compute(self, device_type: str) -> tuple[torch.dtype | None, str]:
         """The compute dtype the graph was traced under (the ambient autocast), and a note when the
@@ -202,6 +203,7 @@ class PrecisionBackend:
             report.stream_before = report.stream_after = analysis.census.stream
         else:
             _refuse_nested_graphs(gm, contract=self.policy is not None and self.policy.contract is not None)
+            _refuse_untraced_hop_bodies(self._hop_breaks)
             self._enforce(gm, self._context(example_inputs, compute, report.index, device_type, names), report)
         report.pass_seconds = time.perf_counter() - start
         inner_start = time.perf_counter()
@@ -338,6 +340,30 @@ def _refuse_nested_graphs(gm: fx.GraphModule, *, contract: bool) -> None:
                 "contract) would not hold there. Compile the checkpointed blocks one by one (torch.compile each decoder layer, "
                 "checkpoint around the compiled layer) or turn activation checkpointing off"
             )
+
+
+def _hop_graph_breaks() -> dict[str, int]:
+    """Dynamo's graph breaks so far inside a higher-order op's body (``torch.utils.checkpoint`` and the like), by count."""
+    from torch._dynamo.utils import counters
+
+    return {reason: count for reason, count in counters["graph_break"].items() if reason.startswith("HOP:")}
+
+
+def _refuse_untraced_hop_bodies(before: dict[str, int]) -> None:
+    """A checkpointed block (any higher-order op's body) Dynamo could not trace runs eagerly, outside every graph the
+    pass sees, without a word: transformers >= 5.25 with the ``kernels`` package sets a context variable in an
+    attention layer's forward, which Dynamo refuses inside ``torch.utils.checkpoint`` ("HOP: Unsafe side effect"), and
+    the whole decoder layer runs eagerly. Refused as a nested graph is: its dtypes (and an engine contract) would not
+    hold there. ``before``: the breaks counted when the backend was made (Dynamo's counters are per process)."""
+    new = [reason for reason, count in _hop_graph_breaks().items() if count > before.get(reason, 0)]
+    if new:
+        first = " ".join(line.strip() for line in new[0].splitlines()[:3] if line.strip())
+        raise PrecisionError(
+            f"precision_backend: Dynamo could not trace a checkpointed block (a higher-order op's body: {first[:200]}) and "
+            "runs it eagerly, outside the pass: its dtypes (and an engine contract) would not hold there. Compile the "
+            "checkpointed blocks one by one (torch.compile each decoder layer, checkpoint around the compiled layer) or turn "
+            "activation checkpointing off"
+        )
 
 
 def make_precision_backend(

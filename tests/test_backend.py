@@ -347,6 +347,46 @@ class _Checkpointed(nn.Module):
         return checkpoint(self.block, self.embed(ids), use_reentrant=False)
 
 
+class _Calls:
+    """An outer-scope counter a checkpointed block bumps: a side effect Dynamo cannot trace inside the checkpoint."""
+
+    count = 0
+
+
+class _SideEffectBlock(_Block):
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        _Calls.count += 1
+        return super().forward(x)
+
+
+class _UntracedCheckpoint(nn.Module):
+    """A checkpointed block Dynamo cannot trace (transformers >= 5.25 with ``kernels``: a context variable set inside the
+    layer), between an embedding and a head it compiles in their own frames."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.block = _SideEffectBlock()
+        self.head = nn.Linear(16, 32)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from torch.utils.checkpoint import checkpoint
+
+        return self.head(checkpoint(self.block, self.embed(ids), use_reentrant=False))
+
+
+def test_a_checkpointed_block_dynamo_cannot_trace_is_refused_not_run_unenforced() -> None:
+    """Dynamo skips a checkpointed block whose body it cannot trace and runs it eagerly, outside every graph the pass
+    sees: refused in one line naming the fix, instead of a forward whose block is unenforced without a word."""
+    torch._dynamo.reset()
+    backend = fxp.make_precision_backend(policy=fxp.PrecisionPolicy(compute=BF16), inner="aot_eager")
+    with pytest.raises(Exception, match=r"could not trace a checkpointed block .* checkpoint around the compiled layer"):
+        with torch.autocast("cpu", dtype=BF16):
+            torch.compile(_UntracedCheckpoint(), backend=backend)(torch.randint(0, 32, (2, 8)))
+    assert backend.reports, "the backend compiled no graph: the refusal came from elsewhere"
+    torch._dynamo.reset()
+
+
 def test_activation_checkpointing_inside_the_graph_is_refused_and_a_custom_function_is_an_op() -> None:
     """A checkpointed block traces into a nested graph the pass would not enforce: refused in one line naming the fix.
     A custom autograd.Function is a higher-order op too, but one op of the outer graph: it compiles and is enforced

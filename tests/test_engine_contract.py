@@ -4,10 +4,12 @@ the row plans, and training under it. The live-engine tests are in tests/engine 
 from __future__ import annotations
 
 import json
+import re
 import sys
 from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -819,14 +821,44 @@ def test_a_recompute_under_the_contract_gives_the_same_bits_or_is_refused_in_one
     assert plain.keys() == recomputed.keys() and all(torch.equal(plain[n], recomputed[n]) for n in plain)
     with pytest.raises(PrecisionError, match=r"ran outside fx_precision\.contract\.batch_rows\.engine_rows.*a recompute in backward"):
         run(True, backward_inside=False)
-    torch._dynamo.reset()
-    torch.manual_seed(0)
-    model = Qwen3ForCausalLM(config).train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-    orders = LinearOrders.uniform(engine_linear_shapes(model, input_ids=ids[:, :4]), [12], lambda k: candidate_orders(k, 1)[0])
-    policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False,
-                                 contract=EngineContract(attention=VEC, linears=orders))  # fmt: skip
-    whole = torch.compile(model, backend=make_precision_backend(policy=policy, plan=policy.plan(model), inner="aot_eager"))
+
+    def whole_model(checkpointing: str) -> tuple[Any, Any, LinearOrders, Any]:
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = Qwen3ForCausalLM(config).train()
+        if checkpointing == "none":
+            pass
+        elif checkpointing == "transformers":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        else:  # each MLP checkpointed inside the compiled model: Dynamo traces its body into a nested graph
+            for layer in model.model.layers:
+                layer.mlp.forward = (lambda f: lambda *a, **k: checkpoint(f, *a, use_reentrant=False, **k))(layer.mlp.forward)
+        orders = LinearOrders.uniform(engine_linear_shapes(model, input_ids=ids[:, :4]), [12], lambda k: candidate_orders(k, 1)[0])
+        policy = fxp.PrecisionPolicy(gather=BF16, compute=BF16, cast_forward_inputs=False,
+                                     contract=EngineContract(attention=VEC, linears=orders))  # fmt: skip
+        whole = torch.compile(model, backend=make_precision_backend(policy=policy, plan=policy.plan(model), inner="aot_eager"))
+        return model, whole, orders, policy
+
+    model, whole, orders, policy = whole_model("inside")
     with pytest.raises(Exception, match=r"holds a nested graph.*does not rewrite"):  # Dynamo wraps the backend's PrecisionError
         with policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
             whole(input_ids=ids, use_cache=False)
+    # transformers' own checkpointing under a whole-model compile: traced into nested graphs (refused as above), or
+    # skipped by Dynamo and run eagerly where the layer's code breaks the graph inside the checkpoint (transformers >= 5.25
+    # with the kernels package): refused too; a run that is not refused gives the unchecked run's logits and gradients
+    model, whole, orders, policy = whole_model("none")
+    with policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+        whole_logits = whole(input_ids=ids, use_cache=False).logits
+        whole_logits.float().sum().backward()
+    plain = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+    model, whole, orders, policy = whole_model("transformers")
+    try:
+        with policy.forward_context("cpu"), engine_rows(EngineRows(rows, rows, orders)):
+            logits = whole(input_ids=ids, use_cache=False).logits
+            logits.float().sum().backward()
+    except Exception as refused:  # Dynamo wraps the backend's PrecisionError
+        assert re.search(r"(holds a nested graph.*does not rewrite|could not trace a checkpointed block.*outside the pass)", str(refused))
+    else:
+        grads = {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+        assert torch.equal(logits, whole_logits)
+        assert grads.keys() == plain.keys() and all(torch.equal(plain[n], grads[n]) for n in plain)
