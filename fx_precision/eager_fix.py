@@ -16,10 +16,14 @@
     EagerFix
     ├── hooks          EagerHook(modules glob, output path, from, to, kind, the finding it fixes)
     ├── compile_only   (cast, reason)
-    ├── gathers        gather rules no hook can make: a weight an uncovered op reads (MoE experts, grouped_mm)
-    │                  at the compute dtype; FSDP2: add them to the policy's spec, one device: gathered_eagerly
-    ├── apply(model)   registers the hooks (first, so every later hook sees narrowed outputs);
-    │                  the globs also match a smaller model of the same family
+    ├── gathers        gather rules no output hook can make: a weight an uncovered op reads (MoE experts,
+    │                  grouped_mm) at the compute dtype
+    ├── apply(model)   registers the hooks (first, so every later hook sees narrowed outputs); the globs also
+    │                  match a smaller model of the same family. The gathers: on one device, the module's
+    │                  parameters read at the rule's dtype in its forward (a cast of the master, as FSDP2
+    │                  gathers); under FSDP2, checked against the unit's param_dtype (the policy's spec must
+    │                  carry the rule before apply_fsdp2, as resolve_policy's does) and refused if it differs.
+    │                  So the eager model computes what the backend does, with no step of the caller's
     └── remove()       the model is exactly as before
 
 Hooks are plain forward hooks: they work on FSDP2-wrapped modules (FQNs do not change under
@@ -81,11 +85,13 @@ class EagerFix:
     hooks: list[EagerHook] = field(default_factory=list)
     compile_only: list[tuple[InsertedCast, str]] = field(default_factory=list)
     gathers: PrecisionSpec = field(default_factory=PrecisionSpec)  # units to gather at compute (weight reads: MoE experts)
-    _handles: list[RemovableHandle] = field(default_factory=list, repr=False)
+    reads: dict[str, tuple[str, ...]] = field(default_factory=dict)  # per gathered module, the parameters the uncovered op reads
+    _handles: list[RemovableHandle | _ReadAt] = field(default_factory=list, repr=False)
 
     def apply(self, model: nn.Module) -> EagerFix:
         """Register every hook on ``model`` (another instance of the family works: globs are matched
-        here). Raises, registering nothing, when a hook matches no module."""
+        here) and make the gathers (module docstring). Raises, registering nothing, when a hook or a gather
+        matches no module, or an FSDP2 unit gathers a module at another dtype than its rule."""
         if self._handles:
             raise PrecisionError("this EagerFix is applied already; remove() it first, or derive another for a second model")
         names = [fqn for fqn, _ in model.named_modules()]
@@ -103,9 +109,20 @@ class EagerFix:
                 by_module.setdefault(name, []).append(hook)
         for name, hooks in by_module.items():
             plan.append((model.get_submodule(name), hooks))
+        gathered = [(fqn, module, dtype) for fqn, module, dtype in _gather_targets(model, self.gathers) if module is not None]
         for module, hooks in plan:
             self._handles.append(module.register_forward_hook(_caster(hooks), prepend=True))
+        for fqn, module, dtype in gathered:
+            self._handles.append(_ReadAt(module, dtype, self.reads.get(fqn)))
         return self
+
+    def gathered_policy(self, policy: PrecisionPolicy) -> PrecisionPolicy:
+        """``policy`` with the fix's gathers added to its spec (those it does not hold already): the policy to plan and
+        ``apply_fsdp2`` with when the fix was derived before the wrap, so FSDP2 gathers the experts as the backend reads them."""
+        from dataclasses import replace
+
+        missing = tuple(rule for rule in self.gathers.rules if rule not in policy.spec.rules)
+        return replace(policy, spec=PrecisionSpec(policy.spec.rules + missing)) if missing else policy
 
     def remove(self) -> None:
         for handle in self._handles:
@@ -126,8 +143,8 @@ class EagerFix:
         text = tabulate(rows, headers=headers) if rows else "no hooks: nothing to fix"
         if self.gathers:
             text += (
-                f"\n\ngather rules the hooks cannot make (add them to the policy's spec before apply_fsdp2; one device: "
-                f"fxp.gathered_eagerly): {self.gathers.text()}"
+                f"\n\ngathers (apply reads these modules' weights at the dtype on one device; under FSDP2 the policy's spec "
+                f"must carry them before apply_fsdp2): {self.gathers.text()}"
             )
         if self.compile_only:
             text += "\n\ncompile-only (no module boundary to hook):\n" + "\n".join(
@@ -141,6 +158,69 @@ class EagerFix:
             "compile_only": [{**c.to_dict(), "why": why} for c, why in self.compile_only],
             "gathers": [rule.text() for rule in self.gathers.rules],
         }
+
+
+def _gather_targets(model: nn.Module, gathers: PrecisionSpec) -> list[tuple[str, nn.Module | None, torch.dtype]]:
+    """Each gather rule's FQN, module and dtype; no module where an FSDP2 unit already gathers it so. Raises where a rule's
+    module is missing, or an FSDP2 unit gathers it at another dtype (the hooks cannot re-gather a sharded weight)."""
+    from fx_precision.fsdp import fsdp_units
+
+    units = dict(fsdp_units(model))
+    out: list[tuple[str, nn.Module | None, torch.dtype]] = []
+    for rule in gathers.rules:
+        fqn, dtype = rule.select.fqn or "", rule.gather
+        if not isinstance(dtype, torch.dtype):  # eager_casts makes rules of a dtype; a hand-made spec may hold others
+            raise PrecisionError(f"eager fix: gather rule {rule.text()!r} names no dtype to gather at; give it one (gather:bf16)")
+        try:
+            module = model.get_submodule(fqn)
+        except AttributeError:
+            raise PrecisionError(
+                f"eager fix: gather rule {rule.text()!r} selects no module of {type(model).__name__}; derive the fix for this "
+                "model (fxp.eager_casts)"
+            ) from None
+        owner = max((u for u in units if u == "" or fqn == u or fqn.startswith(u + ".")), key=len, default=None)
+        if owner is None:
+            out.append((fqn, module, dtype))
+            continue
+        param_dtype = units[owner].param_dtype
+        if param_dtype != dtype:
+            raise PrecisionError(
+                f"eager fix: {fqn} must be gathered at {dtype_name(dtype)} (an op autocast does not cover reads its weights), "
+                f"but its FSDP2 unit {owner or '<root>'} gathers at {dtype_name(param_dtype) if param_dtype else 'the master dtype'}: "
+                f"add the rule {rule.text()!r} to the policy's spec before apply_fsdp2 (resolve_policy's experts rule does)"
+            )
+        out.append((fqn, None, dtype))
+    return out
+
+
+class _ReadAt:
+    """``module``'s floating parameters (``names``: those the backend casts; default all) read at ``dtype`` in each of
+    its forwards (a differentiable cast of the master: the gradient reaches the master as FSDP2's gather gives it), as
+    ``fsdp.gathered_eagerly`` does for a whole model;
+    the parameters are themselves again when the forward returns or raises. One wrapper of the module's forward (not a
+    pre-hook and a hook: Dynamo traces one ``with`` block whole, and breaks the graph on a context entered in one hook
+    and left in another); ``remove()`` puts the forward back."""
+
+    def __init__(self, module: nn.Module, dtype: torch.dtype, names: tuple[str, ...] | None = None) -> None:
+        from torch.nn.utils.stateless import _reparametrize_module
+
+        self.module = module
+        self.own = module.__dict__.get("forward")  # an instance forward set before (another wrapper), kept under this one
+        original = module.forward
+
+        def forward(*args: Any, **kwargs: Any) -> Any:
+            cast = {n: p.to(dtype) for n, p in module.named_parameters()
+                    if p.is_floating_point() and p.dtype != dtype and (names is None or n in names)}  # fmt: skip
+            with _reparametrize_module(module, cast):
+                return original(*args, **kwargs)
+
+        module.forward = forward
+
+    def remove(self) -> None:
+        if self.own is None:
+            self.module.__dict__.pop("forward", None)
+        else:
+            self.module.forward = self.own
 
 
 def _glob(text: str) -> re.Pattern[str]:
@@ -202,7 +282,7 @@ def eager_casts(
         model, args, kwargs, device_type=setup.device_type, autocast=autocast_context(setup.compute, setup.device_type), modules=hosts
     )
     fix = EagerFix()
-    gathers: list[str] = []
+    reads: dict[str, list[str]] = {}
     for gm, result in runs:
         nodes = {n.name: n for n in gm.graph.nodes}
         for cast in result.casts:
@@ -211,19 +291,22 @@ def eager_casts(
                 fix.hooks.append(hook)
             elif why:
                 fix.compile_only.append((cast, why))
-            owner = _weight_owner(cast, nodes, result) if cast.kind is CastKind.WEIGHT_READ else None
-            if owner is not None and owner not in gathers:
-                gathers.append(owner)
+            param = _weight_read(cast, nodes, result) if cast.kind is CastKind.WEIGHT_READ else None
+            if param is not None:
+                owner, _, name = param.rpartition(".")
+                if name not in reads.setdefault(owner, []):
+                    reads[owner].append(name)
     fix.hooks = _collapse(fix.hooks, [fqn for fqn, _ in model.named_modules()])
-    fix.gathers = PrecisionSpec(tuple(Rule(ModuleSel(fqn=fqn), gather=setup.compute) for fqn in gathers))
+    fix.gathers = PrecisionSpec(tuple(Rule(ModuleSel(fqn=fqn), gather=setup.compute) for fqn in reads))
+    fix.reads = {fqn: tuple(names) for fqn, names in reads.items()}
     return fix
 
 
-def _weight_owner(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResult) -> str | None:
-    """The module that owns the parameter a weight-read cast reads (through views)."""
+def _weight_read(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResult) -> str | None:
+    """The parameter (FQN) a weight-read cast reads (through views)."""
     operand = nodes.get(cast.of)
     info = result.first.annotation.info.get(behind_views(operand)) if operand is not None else None
-    return info.param.rpartition(".")[0] if info is not None and info.param else None
+    return info.param if info is not None and info.param else None
 
 
 def apply_eager_fix(
@@ -258,8 +341,8 @@ def _to_hook(cast: InsertedCast, nodes: dict[str, fx.Node], result: PipelineResu
         return None, "a gather: apply_fsdp2 gathers each unit at its planned dtype (eagerly on one device: gathered_eagerly)"
     if cast.kind is CastKind.WEIGHT_READ:
         return None, (
-            "a weight read by an op autocast does not cover (grouped_mm): gather its unit at the compute dtype "
-            "(resolve_policy's stacked-experts rule does; apply_fsdp2 then gathers it so)"
+            "a weight read by an op autocast does not cover (grouped_mm): one of the fix's gathers (apply reads the module's "
+            "weights at the compute dtype; under FSDP2 resolve_policy's stacked-experts rule gathers its unit so)"
         )
     if cast.kind is CastKind.RETARGET:
         return None, ""  # eager code follows the runtime dtype: once the source is narrow, so is this

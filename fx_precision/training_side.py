@@ -242,6 +242,9 @@ def _derive_fix(side: TrainingSide) -> TrainingSide:
         ids = side.cfg.example_ids
         ids = ids(side.model) if callable(ids) else ids
         side.fix = eager_casts(side.model, ids, policy=side.policy, plan=side.plan, **plain_forward_kwargs(side.model))
+        if side.mesh is not None and side.fix.gathers:  # weights an uncovered op reads (MoE experts): FSDP2 gathers them narrow
+            side.policy = side.fix.gathered_policy(side.policy)
+            side = _plan(side)
     return side
 
 

@@ -161,7 +161,7 @@ def test_the_eager_fix_names_the_gathers_no_hook_can_make() -> None:
     fix = fxp.eager_casts(model, ids, policy=PrecisionPolicy(compute="bf16"))
     assert [r.select.fqn for r in fix.gathers.rules] == expert_fqns(model)
     assert {c.kind for c, _ in fix.compile_only} >= {"weight-read"}
-    assert "gather rules the hooks cannot make" in fix.render()
+    assert "gathers (apply reads these modules' weights" in fix.render()
     assert json.loads(json.dumps(fix.to_dict()))["gathers"] == [f"{fqn}=gather:bf16" for fqn in expert_fqns(model)]
 
 
@@ -190,3 +190,61 @@ def test_census_under_fsdp2_with_arch_rules_leaves_no_fp32_in_the_experts(tmp_pa
     assert done.returncode == 0, done.stderr[-2000:]
     asis = {m["module"]: m for m in json.loads(out.read_text())["modules"] if m["module"].endswith(".experts.act_fn")}
     assert asis and all("fp32" in row["in"] for row in asis.values()), asis
+
+
+# Every MoE family the sweep runs, at sizes no other test uses (expert counts, widths, top-k): transformers' own
+# grouped_mm experts, a shared expert where the family has one, GatedDeltaNet layers for Qwen3.5-MoE (batch 1: torch's
+# aot_eager backward fails on GatedDeltaNet at batch >= 2, and the logits here need no backward but keep the sweep's shape)
+EAGER_FIX_FAMILIES: dict[str, tuple[str, str, dict[str, Any], int]] = {
+    "qwen2-moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_experts=7, num_experts_per_tok=3, moe_intermediate_size=32, shared_expert_intermediate_size=48), 2),
+    "qwen3-moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM", dict(num_experts=9, num_experts_per_tok=2, moe_intermediate_size=40), 2),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=72), 2),
+    "olmoe": ("OlmoeConfig", "OlmoeForCausalLM", dict(num_experts=6, num_experts_per_tok=3, intermediate_size=40), 2),
+    "glm4-moe": ("Glm4MoeConfig", "Glm4MoeForCausalLM",
+                 dict(n_routed_experts=5, num_experts_per_tok=2, moe_intermediate_size=24, first_k_dense_replace=1), 2),
+    "gpt-oss": ("GptOssConfig", "GptOssForCausalLM", dict(num_local_experts=5, num_experts_per_tok=2, intermediate_size=40,
+                                                           sliding_window=6), 2),
+    "qwen3.5-moe": ("Qwen3_5MoeTextConfig", "Qwen3_5MoeForCausalLM",
+                    dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=24, shared_expert_intermediate_size=32,
+                         layer_types=["linear_attention", "full_attention"], linear_key_head_dim=8, linear_value_head_dim=8,
+                         linear_num_key_heads=2, linear_num_value_heads=4), 1),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("family", list(EAGER_FIX_FAMILIES))
+def test_the_eager_fix_alone_gives_the_backends_logits_and_no_more_fp32_outputs_than_a_hand_fix(family: str) -> None:
+    """``eager_casts(...).apply(model)`` and nothing else (its hooks and its gathers: the experts' weights read at bf16 as
+    the backend's weight-read casts read them) gives the logits of ``torch.compile(model, backend=precision backend with
+    aot_eager)`` bit for bit, and the census of its forward holds no more fp32 module outputs than a hand fix (every
+    embedding's and norm's output cast to bf16)."""
+    import transformers
+
+    from fx_precision.census import census
+    from fx_precision.logprobs import logits_of
+    from fx_precision.tools.sweep import hand_fixed
+
+    config_cls, model_cls, moe, batch = EAGER_FIX_FAMILIES[family]
+    dims = {**DIMS, "head_dim": 12, "hidden_size": 48, "intermediate_size": 56, **moe}
+    torch.manual_seed(3)
+    model = getattr(transformers, model_cls)(getattr(transformers, config_cls)(**dims)).float().eval()
+    ids = torch.randint(0, DIMS["vocab_size"], (batch, 12), generator=torch.Generator().manual_seed(4))
+    policy = PrecisionPolicy(compute="bf16")
+    torch._dynamo.reset()
+    with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        compiled = logits_of(torch.compile(model, backend=fxp.make_precision_backend(policy=policy, inner="aot_eager"))(input_ids=ids))
+    torch._dynamo.reset()
+    fix = fxp.eager_casts(model, input_ids=ids, policy=policy)
+    assert fix.gathers, family  # the experts' weight reads: a cast no output hook makes
+    with fix.apply(model), torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        eager = logits_of(model(input_ids=ids))
+        fixed = census(model, input_ids=ids)
+    assert torch.equal(eager, compiled), (family, int((eager != compiled).sum()), eager.numel())
+    with hand_fixed(model), torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
+        by_hand = census(model, input_ids=ids)
+
+    def fp32_outputs(c: Any) -> int:
+        return sum(1 for e in c.entries if e.direction == "out" and e.dtype == "fp32")
+
+    assert fp32_outputs(fixed) <= fp32_outputs(by_hand), (family, fp32_outputs(fixed), fp32_outputs(by_hand))
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the masters: the gathers read them, never change them

@@ -87,6 +87,9 @@ def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> l
             plan = policy.plan(model, wrap=layer_wrap_globs(model))
             ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
             fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
+            if fix is not None and fix.gathers:  # weights an uncovered op reads (MoE experts): FSDP2 gathers them narrow
+                policy = fix.gathered_policy(policy)
+                plan = policy.plan(model, wrap=layer_wrap_globs(model))
             apply_fsdp2(model, plan, mesh=mesh, policy=policy)
             if fix is not None:
                 fix.apply(model)  # the FQNs of the plain model are the wrapped model's

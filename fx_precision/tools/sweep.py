@@ -32,9 +32,8 @@ from typing import Any
 import torch
 from torch import fx, nn
 
-from fx_precision.fsdp import gathered_eagerly
 from fx_precision.logprobs import logits_of
-from fx_precision.lowering import compile_precision
+from fx_precision.passes.graph.nodes import module_path
 from fx_precision.tools.arch_zoo import ARCHS, Arch, arch
 
 COMPUTE = torch.bfloat16
@@ -44,16 +43,12 @@ Recorder = Callable[[str, str, fx.GraphModule], None]
 def fp32_stream_nodes(gm: fx.GraphModule) -> list[str]:
     """fp32 activations that cross a module boundary or leave the graph (placeholders excluded)."""
 
-    def module(node: fx.Node) -> str:
-        stack = node.meta.get("nn_module_stack") or {}
-        return str(list(stack.values())[-1][0]) if stack else ""
-
     found = []
     for node in gm.graph.nodes:
         value = node.meta.get("example_value", node.meta.get("val"))
         if node.op in ("placeholder", "output", "get_attr") or not isinstance(value, torch.Tensor) or value.dtype != torch.float32:
             continue
-        if any(user.op == "output" or module(user) != module(node) for user in node.users):
+        if any(user.op == "output" or module_path(user) != module_path(node) for user in node.users):
             found.append(node.name)
     return found
 
@@ -189,9 +184,7 @@ def _eager_fix_row(
 
     fix = fxp.eager_casts(model, input_ids=ids, policy=fxp.PrecisionPolicy(compute=COMPUTE))
     inexact = [h for h in fix.hooks if not h.exact]
-    # the gathers no hook makes (MoE experts read by grouped_mm), as one device gathers: a cast of the master per call
-    gathered = gathered_eagerly(model, compile_precision(model, fix.gathers, default_gather=torch.float32, default_master=None))
-    with fix.apply(model), gathered:
+    with fix.apply(model):  # its hooks and its gathers (MoE experts read by grouped_mm: a cast of the master per call)
         torch._dynamo.reset()
         with torch.autocast("cpu", dtype=COMPUTE), torch.no_grad():
             torch.compile(model, backend=_recording(spec.name, "eager_fix", record, counts, inner="eager"))(input_ids=ids)
