@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -12,6 +13,7 @@ import sympy
 import torch
 
 import fx_precision as fxp
+from fx_precision.errors import PrecisionError
 from fx_precision.lint import LintReport, lint
 from tests import lint_models as lm
 from tests.cli import run_cli
@@ -288,3 +290,21 @@ def test_lint_leaves_the_users_compiled_functions_compiled() -> None:
     users(ids)
     assert len(compiles) == 1, "the user's function was compiled again"
     assert first.findings and [f.code for f in first.findings] == [f.code for f in again.findings]
+
+
+@pytest.mark.needs_transformers
+def test_a_failure_inside_transformers_model_code_is_one_line_naming_the_architecture_release_and_line() -> None:
+    """What a transformers release that moved model code looks like to the analysis: an exception raised inside the model's
+    own code while Dynamo captures it (here an attention mask of the wrong length). One PrecisionError line naming the
+    architecture, the transformers release, the file and line of the model code and what it raised, not a traceback."""
+    import transformers
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    model = Qwen3ForCausalLM(Qwen3Config(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                         num_attention_heads=4, num_key_value_heads=2, head_dim=8))  # fmt: skip
+    with pytest.raises(PrecisionError) as raised, torch.autocast("cpu", dtype=torch.bfloat16):
+        fxp.lint(model, torch.randint(0, 64, (1, 5)), attention_mask=torch.ones(1, 7), use_cache=False)
+    text = str(raised.value)
+    assert "\n" not in text
+    assert f"Qwen3ForCausalLM (transformers {transformers.__version__})" in text
+    assert re.search(r"at transformers/[\w/]+\.py:\d+ \(RuntimeError: ", text), text

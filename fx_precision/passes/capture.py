@@ -26,6 +26,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.utils._pytree import tree_map
 
 from fx_precision.errors import PrecisionError
+from fx_precision.hf import model_code_failure
 from fx_precision.passes.graph.kinds import ParamKind
 
 
@@ -110,6 +111,25 @@ def capture_graphs(
         graphs.append(Captured(gm, list(example_inputs)))
         return gm.forward
 
+    try:
+        names = _capture(model, args, kwargs, recorder, dynamic=dynamic, device_type=device_type, autocast=autocast)
+    except PrecisionError:
+        raise
+    except Exception as exc:  # the model's own code: one line where it is transformers' (a release that moved it)
+        failure = model_code_failure(model, exc, "capturing the graphs of")
+        if failure is None:
+            raise
+        raise failure from exc
+    if not graphs:
+        raise PrecisionError(
+            f"Dynamo captured no graph from {type(model).__name__}; is the forward decorated with torch.compiler.disable, "
+            "or did every frame fall back to eager?"
+        )
+    return graphs, names
+
+
+def _capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], recorder: Any, *, dynamic: bool, device_type: str,
+             autocast: Any) -> dict[int, tuple[str, ParamKind]]:  # fmt: skip
     kept = _users_dynamo_state_kept()
     existing_fake = detect_fake_mode([*model.parameters(), *model.buffers()])
     if _is_meta(model):
@@ -131,12 +151,7 @@ def capture_graphs(
         ctx = existing_fake if existing_fake is not None else contextlib.nullcontext()
         with kept, ctx, autocast:
             _isolated_compile(model, recorder, dynamic)(*args, **kwargs)
-    if not graphs:
-        raise PrecisionError(
-            f"Dynamo captured no graph from {type(model).__name__}; is the forward decorated with torch.compiler.disable, "
-            "or did every frame fall back to eager?"
-        )
-    return graphs, names
+    return names
 
 
 ModuleIO = dict[str, list[tuple[str, tuple[int, ...], torch.dtype]]]
