@@ -120,3 +120,22 @@ def test_no_import_circle_and_the_layers_import_downwards() -> None:
             assert not {d for d in deps if d.startswith("fx_precision.tools")}, (name, deps)  # the core never imports the tools
         if name.startswith("fx_precision.passes"):
             assert not deps & {"fx_precision.policy", "fx_precision.fsdp", "fx_precision.backend", "fx_precision.lint"}, (name, deps)
+
+
+def test_the_tested_transformers_range_is_one_range_everywhere() -> None:
+    """The dev extra's lower bound, the release CI runs the suite on again, the README's command and the range the
+    one-line model-code failure names are one; neither extra caps transformers (users of [hf] get the newest)."""
+    import re
+    from pathlib import Path
+
+    from fx_precision.hf import TESTED_TRANSFORMERS
+
+    root = Path(__file__).parents[1]
+    pins = dict(re.findall(r'^(\w+) = \[.*?"(transformers[^"]*)"', (root / "pyproject.toml").read_text(), re.M))  # extra -> its pin
+    assert set(pins) >= {"hf", "dev"} and all("<" not in pin for pin in pins.values()), pins
+    floors = {pin.removeprefix("transformers>=") for pin in pins.values()}
+    (floor,) = floors
+    ci = re.findall(r"transformers==([\d.]+)", (root / ".ci" / "run").read_text())
+    readme = re.findall(r"pip install transformers==([\d.]+)", (root / "README.md").read_text())
+    assert ci and readme and {*ci, *readme} == {f"{floor}.0" if floor.count(".") == 1 else floor}, (floor, ci, readme)
+    assert TESTED_TRANSFORMERS.startswith(ci[0] + " to "), TESTED_TRANSFORMERS
