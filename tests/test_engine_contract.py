@@ -693,7 +693,7 @@ def test_the_rewrites_are_found_on_every_architecture_of_the_sweep(request: pyte
     assert "rotary the contract does not follow" in refused["cohere"] and "rotate_half" in refused["cohere"]  # interleaved
     assert "rotary the contract does not follow" in refused["deepseek-v3"]  # MLA's written-out interleaved rotation
     assert "mixture-of-experts routing (topk)" in refused["qwen3-moe"] and "at model.layers.0.mlp" in refused["qwen3-moe"]
-    assert "a causal convolution (a linear-attention layer)" in refused["qwen3.5"] and "model.layers.0.linear_attn" in refused["qwen3.5"]
+    assert "gdn at model.layers.0.linear_attn" in refused["qwen3.5"]  # a contract whose probe read no GatedDeltaNet form
 
 
 @pytest.mark.needs_transformers
@@ -746,7 +746,7 @@ def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     # one decoder-layer graph serves every layer (the same code, compiled once); FSDP2 units break the graph between
     # layers, so the fused add + norm is kept across the break (the sum leaving one graph, taken by the next one's norm)
     # eager math: the layer graph's 4 norms' means and silu, the final norm's, the rotary table's cos and sin
-    rewrites = {"engine-moe": 0, "fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-linears": 8,
+    rewrites = {"engine-gdn": 0, "engine-moe": 0, "fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-linears": 8,
                 "engine-eager-math": 8, "engine-coverage": 0}  # fmt: skip
     assert under["rewrites"] == rewrites, under
     assert under["losses"][-1] < under["losses"][0], under["losses"]

@@ -18,6 +18,9 @@
     ├── moe         MoeKernel (contract/moe.py): the engine's router (top-k of the bf16 logits, softmax over them or
     │               exp(logit - logsumexp)) and its fused experts' arithmetic (FMA chains, its SiLU, the weighted
     │               combine in top-k order); None for a dense model
+    ├── gdn         GdnForm (contract/gdn.py): how the engine computes its GatedDeltaNet layers (its kernel build, the
+    │               SSM state's dtype, eps); the split of each sequence into prefilled pieces and decoded tokens is the
+    │               dump's (batch_rows.gdn_pieces_of); None for a model without them, or unmatched says why
     ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T, renormalised
     │               over what the request's top-k and top-p keep: logprobs.py)
     └── unmatched   the op classes the probes could not match, each with why: their value is None, and the
@@ -39,6 +42,7 @@ from typing import Any
 
 from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
+from fx_precision.contract.gdn_form import GdnForm
 from fx_precision.contract.inductor_norms import NormReduction
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.moe import MoeKernel
@@ -137,7 +141,7 @@ class RotaryOp:
 _FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
 # written by later versions only: a contract without kv_tiling takes one KV tile per row, one without moe read no experts,
 # one without inductor is of the eager engine
-_OPTIONAL = ("kv_tiling", "moe", "inductor", "norm_reductions")
+_OPTIONAL = ("kv_tiling", "moe", "inductor", "norm_reductions", "gdn")
 
 
 @dataclass(frozen=True)
@@ -159,6 +163,7 @@ class EngineContract:
     moe: MoeKernel | None = None  # the engine's fused experts and router (None: a dense model, or unmatched says why)
     inductor: str | None = None  # the compiled engine's Inductor (contract/inductor_build.py; None: the eager engine)
     norm_reductions: tuple[NormReduction, ...] | None = None  # the compiled engine's norms' sums, in call order (inductor_norms.py)
+    gdn: GdnForm | None = None  # the engine's GatedDeltaNet layers (None: none in the model, or unmatched says why)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -187,6 +192,8 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.moe: a MoeKernel or None, got {type(self.moe).__name__}")
         if self.inductor is not None and (not isinstance(self.inductor, str) or not self.inductor):
             raise PrecisionError(f"EngineContract.inductor={self.inductor!r}: the compiled engine's Inductor build (a string) or null")
+        if self.gdn is not None and not isinstance(self.gdn, GdnForm):
+            raise PrecisionError(f"EngineContract.gdn: a GdnForm or None, got {type(self.gdn).__name__}")
         if self.norm_reductions is not None:
             if not isinstance(self.norm_reductions, tuple) or not all(isinstance(r, NormReduction) for r in self.norm_reductions):
                 raise PrecisionError("EngineContract.norm_reductions: a tuple of NormReduction or None")
@@ -222,6 +229,7 @@ class EngineContract:
             f"linears: {self.linears.describe()}",
             *([f"eager math at {self.eager_math}"] if self.eager_math else []),
             *([f"experts {self.moe.describe()}"] if self.moe is not None else []),
+            *([f"GatedDeltaNet {self.gdn.describe()}"] if self.gdn is not None else []),
             f"log-probs {self.logprobs or 'unmatched'}",
         ]
         return f"{self.engine} {self.version or ''}: " + "; ".join(parts)
@@ -242,6 +250,7 @@ class EngineContract:
             "moe": self.moe.to_dict() if self.moe is not None else None,
             "inductor": self.inductor,
             "norm_reductions": [r.to_dict() for r in self.norm_reductions] if self.norm_reductions is not None else None,
+            "gdn": self.gdn.to_dict() if self.gdn is not None else None,
         }
 
     @classmethod
@@ -268,6 +277,7 @@ class EngineContract:
                 moe=MoeKernel.from_dict(data["moe"]) if data.get("moe") is not None else None,
                 inductor=data.get("inductor"),
                 norm_reductions=_norm_reductions(data.get("norm_reductions")),
+                gdn=GdnForm.from_dict(data["gdn"]) if data.get("gdn") is not None else None,
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None
@@ -290,6 +300,7 @@ class EngineContract:
             (OpClass.NORM, self.norm, self.evidence.norm),
             (OpClass.ROTARY, self.rotary, self.evidence.rotary),
             (OpClass.ATTENTION, self.attention, self.evidence.attention),
+            (OpClass.GDN, self.gdn, self.evidence.gdn),
         )
         for op_class, value, found in probed:
             if value is None:

@@ -45,6 +45,8 @@ class RowPlan:
     body: tuple[int, ...]  # one per token
     logits: tuple[int, ...]  # one per token but the last
     kv_tiles: tuple[RowTiles, ...] | None = None  # one per token; None: not planned (one tile per row)
+    gdn: tuple[int, ...] | None = None  # one per token: the first row of the engine piece that prefilled it, or contract.gdn's
+    # GDN_DECODE / GDN_NONE (None: no GatedDeltaNet layer in the model)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, T] int32 each (the logits row of the last token: 0)."""
@@ -193,7 +195,37 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
     if tiling is not None:
         tiles = kv_tiles_of(sequences, steps, claims, tiling)
         plans = [RowPlan(p.body, p.logits, t) for p, t in zip(plans, tiles, strict=True)]
+    if engine.get("gdn"):
+        pieces = gdn_pieces_of(sequences, steps, claims)
+        plans = [RowPlan(p.body, p.logits, p.kv_tiles, g) for p, g in zip(plans, pieces, strict=True)]
     return plans
+
+
+GDN_DECODE, GDN_NONE = -1, -2  # contract/gdn.py's codes (there with what they mean)
+
+
+def gdn_pieces_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], claims: Claims) -> list[tuple[int, ...]]:
+    """Per sequence, per row: how the engine's GatedDeltaNet layers computed it, from the request that computed it (the
+    sequence's own, or for a prefix-cache hit the request of the sequence it read): a request with no state yet (its
+    first piece, of any length) or of several rows prefilled them as one piece (the row's code: the piece's first row);
+    a one-row request with a state went through the decode kernel (``GDN_DECODE``); a row no request computed
+    ``GDN_NONE``. vLLM splits a step's requests so (gdn_attn.py: decode threshold 1, a first chunk is a prefill)."""
+    requests = step_requests(sequences, steps)
+    out = []
+    for i, found in enumerate(claims.steps):
+        codes: list[int] = []
+        for r, step in enumerate(found):
+            if step is None:
+                codes.append(GDN_NONE)
+                continue
+            index = claims.requests[claims.sources[i][r]].get(step)
+            if index is None:
+                raise PrecisionError(f"engine rows: row {r} of a sequence is in no request of engine step {step}; roll out again")
+            q, keys = requests[step][index]
+            start = keys - q
+            codes.append(GDN_DECODE if q == 1 and start > 0 else start)
+        out.append(tuple(codes))
+    return out
 
 
 def step_requests(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
@@ -259,6 +291,7 @@ class EngineRows:
     fused: Mapping[str, int] = field(default_factory=dict)  # module path -> width of the engine GEMM it is part of,
     # for a linear whose siblings another graph holds (a graph break between them): see fused_linear_widths
     kv_tiles: torch.Tensor | None = None  # [B, T, N, 4] int32: each row's split-KV parts and tiles (attention_tiles.py)
+    gdn: torch.Tensor | None = None  # [B, T] int32: each row's GatedDeltaNet piece (RowPlan.gdn; padding GDN_NONE)
 
     @classmethod
     def of(cls, plans: Sequence[RowPlan], orders: LinearOrders, length: int | None = None,
@@ -271,13 +304,19 @@ class EngineRows:
         logits = torch.zeros(len(plans), width, dtype=torch.int32)
         parts = max((len(row) for p in plans for row in p.kv_tiles or ()), default=0)
         kv_tiles = tiles_tensor([ONE_TILE], parts).repeat(len(plans), width, 1, 1) if parts else None  # padding: one tile
+        with_gdn = [p.gdn is not None for p in plans]
+        if any(with_gdn) and not all(with_gdn):
+            raise PrecisionError("engine rows: some sequences of the batch hold a GatedDeltaNet plan and others none; plan them alike")
+        gdn = torch.full((len(plans), width), GDN_NONE, dtype=torch.int32) if plans and all(with_gdn) else None
         for i, p in enumerate(plans):
             b, lg = p.tensors()
             body[i, : b.shape[1]] = b[0]
             logits[i, : lg.shape[1]] = lg[0]
             if kv_tiles is not None and p.kv_tiles is not None:
                 kv_tiles[i, : len(p.kv_tiles)] = tiles_tensor(p.kv_tiles, parts)
-        return cls(body, logits, orders, dict(fused or {}), kv_tiles)
+            if gdn is not None and p.gdn is not None:
+                gdn[i, : len(p.gdn)] = torch.tensor(p.gdn, dtype=torch.int32)
+        return cls(body, logits, orders, dict(fused or {}), kv_tiles, gdn)
 
     @functools.cached_property
     def body_groups(self) -> tuple[tuple[int, torch.Tensor], ...]:

@@ -13,8 +13,9 @@ the core (``EngineContract.check_evidence``, ``contract_notes``, ``EngineContrac
     │                                        arithmetic against the engine at the run's own calls
     ├── linears                              LinearEvidence: every call's LinearCallEvidence, the order ``read`` per
     │                                        "N x K at rows", the calls no order matched
-    └── logprobs                             LogprobEvidence: the step read, the sampler's settings, the rows each
-                                             form gave, the form kept
+    ├── logprobs                             LogprobEvidence: the step read, the sampler's settings, the rows each
+    │                                        form gave, the form kept
+    └── gdn                                  CandidateEvidence: the GatedDeltaNet kernels against the contract's
 
 An op class the probes never reached is ``None``. ``followed()`` is the one reading of "the contract follows the
 engine here" (the CLI's "probes matched", the benchmark tables); ``to_dict`` writes it beside the evidence for
@@ -207,6 +208,7 @@ class ContractEvidence(Evidence):
     attention: AttentionEvidence | None = None
     linears: LinearEvidence | None = None
     logprobs: LogprobEvidence | None = None
+    gdn: CandidateEvidence | None = None  # the GatedDeltaNet kernels (engines/vllm/gdn_probe.py); None: no such layer
 
     def followed(self) -> dict[str, bool]:
         """Per op class between the GEMMs and at them: does the contract follow the engine (the probe kept a candidate

@@ -121,11 +121,13 @@ def engine_norm_reductions(cache_dir: str | None, width: int | None = None) -> t
 
 
 def _is_rms_norm(module: nn.Module) -> bool:
-    return type(module).__name__.endswith("RMSNorm")
+    """An RMS norm module: a model's own (``*RMSNorm``) or a GatedDeltaNet layer's gated one (``*RMSNormGated``), whose
+    sum of squares the compiled engine's Inductor writes as it writes the others'."""
+    return type(module).__name__.endswith(("RMSNorm", "RMSNormGated"))
 
 
 def norm_call_order(model: nn.Module) -> list[str]:
-    """The names of ``model``'s RMS-norm modules in the order one forward calls them (two tokens, no grad)."""
+    """The names of ``model``'s RMS-norm modules (gated ones included) in the order one forward calls them (two tokens, no grad)."""
     calls: list[str] = []
     hooks = [m.register_forward_pre_hook(lambda _m, _a, name=name: calls.append(name)) for name, m in model.named_modules()
              if _is_rms_norm(m)]  # fmt: skip

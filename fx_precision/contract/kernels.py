@@ -1,10 +1,11 @@
 """The engine's CPU kernels as a small native library: built at first use, loaded with ctypes.
 
-    engine_kernels.cpp ──g++ -O2 -shared──▶ <cache>/engine_kernels-<hash of source, flags, compiler>.so
+    engine_kernels.cpp + gdn_kernels.cpp ──g++ -O2 -shared──▶ <cache>/engine_kernels-<hash of sources, flags, compiler>.so
         fxp_attention            attention in the engine's arithmetic (AMX tiles, or the vector variants)
         fxp_linear               a linear in one of the engine's GEMM orders (AMX chunks, VDPBF16PS pairs, torch's lanes)
         fxp_chunk_dots, fxp_order_fold, fxp_product_fold     the linear probe's candidates, output by output
         fxp_fused_moe            mixture-of-experts experts in the engine's arithmetic (vLLM's CPU fused experts)
+        fxp_gdn_*                GatedDeltaNet's conv, gating and delta rule (gdn_kernels.cpp; contract/gdn.py calls them)
         fxp_cpu_has_*            what this CPU runs
 
 The library includes no torch or Python headers, so it builds in a second or two with any C++17
@@ -33,7 +34,7 @@ import torch
 from fx_precision.contract.vocabulary import MOE_COMBINES, MOE_EXPS, MOE_STORES
 from fx_precision.errors import PrecisionError
 
-SOURCE = Path(__file__).with_name("engine_kernels.cpp")
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("engine_kernels.cpp", "gdn_kernels.cpp"))  # one file per op family
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only")
 _BUILD_LOCK = threading.Lock()
 _P = ctypes.c_void_p
@@ -83,12 +84,12 @@ def build_library() -> Path:
     """The kernels' shared library for this source, these flags and this compiler: built once, then reused."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
-    key = hashlib.sha256(SOURCE.read_bytes() + repr((FLAGS, version)).encode()).hexdigest()[:16]
+    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + repr((FLAGS, version)).encode()).hexdigest()[:16]
     library = _cache_dir() / f"engine_kernels-{key}.so"
     if library.exists():
         return library
     partial = library.with_name(f"{library.stem}.{os.getpid()}.{threading.get_ident()}.partial.so")
-    done = subprocess.run([cxx, *FLAGS, str(SOURCE), "-o", str(partial)], capture_output=True, text=True, check=False)
+    done = subprocess.run([cxx, *FLAGS, *map(str, SOURCES), "-o", str(partial)], capture_output=True, text=True, check=False)
     if done.returncode != 0:
         partial.unlink(missing_ok=True)
         errors = [line for line in done.stderr.splitlines() if "error" in line] or done.stderr.strip().splitlines() or ["?"]

@@ -25,6 +25,7 @@ class OpClass(TextEnum):
     EAGER_MATH = "eager-math"
     LOGPROBS = "logprobs"
     MOE = "moe"
+    GDN = "gdn"
 
 
 class Rounding(TextEnum):

@@ -47,7 +47,7 @@ def micro_batches(data: StepData, plans: Sequence[Any] | None, orders: Any, rank
     """Rank ``rank``'s sequences (``rank::world``) in micro-batches of ``size`` rows x ``length`` positions, right-padded
     (a row's padding is never computed by the engine: row plan 0, causal attention never reaches it); every rank makes
     the same number of micro-batches (FSDP2's gathers are collectives), the short ones padded with dummy rows."""
-    from fx_precision.contract.batch_rows import EngineRows, RowPlan
+    from fx_precision.contract.batch_rows import GDN_NONE, EngineRows, RowPlan
 
     n = len(data.sequences)
     per_rank = -(-n // world)
@@ -60,8 +60,9 @@ def micro_batches(data: StepData, plans: Sequence[Any] | None, orders: Any, rank
         ids = torch.zeros(size, length, dtype=torch.long)
         row_plans, prompt_lens = [], []
         for r, i in enumerate(index):
-            if i < 0:
-                row_plans.append(RowPlan((0,), ()))
+            if i < 0:  # a dummy row: nothing the engine computed (a GatedDeltaNet plan of rows never computed where there is one)
+                with_gdn = plans is not None and bool(plans) and plans[0].gdn is not None
+                row_plans.append(RowPlan((0,), (), None, (GDN_NONE,) if with_gdn else None))
                 prompt_lens.append(1)
                 continue
             s = data.sequences[i]

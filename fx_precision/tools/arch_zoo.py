@@ -50,6 +50,16 @@ _GDN = dict(
     linear_num_key_heads=2,
     linear_num_value_heads=4,
 )
+# What vLLM's CPU build runs of a GatedDeltaNet hybrid: linear head dims 64 or 128 (its chunk kernel refuses 32), three
+# linear-attention layers to one full-attention layer (Qwen3-Next's and Qwen3.5's pattern), 4 layers
+_GDN_ENGINE = dict(
+    num_hidden_layers=4,
+    layer_types=["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+    linear_key_head_dim=64,
+    linear_value_head_dim=64,
+    linear_num_key_heads=2,
+    linear_num_value_heads=4,
+)
 
 
 @dataclass(frozen=True)
@@ -62,11 +72,13 @@ class Arch:
     overrides: dict[str, Any] = field(default_factory=dict)
     patterns: tuple[str, ...] = ()
     batch: int = 2
+    engine: dict[str, Any] = field(default_factory=dict)  # over ``overrides`` at the checkpoint writer's sizes: what vLLM's CPU build runs
 
     def build(self, seed: int = 0, dims: dict[str, Any] | None = None) -> nn.Module:
-        """The model at the sweep's tiny sizes, or at ``dims`` (the checkpoint writer's engine sizes)."""
+        """The model at the sweep's tiny sizes, or at ``dims`` (the checkpoint writer's engine sizes, where the
+        architecture's ``engine`` overrides apply over its own)."""
         transformers = require_transformers()
-        kwargs = {**(dims or _DIMS), **self.overrides}
+        kwargs = {**(dims or _DIMS), **self.overrides, **(self.engine if dims is not None else {})}
         kwargs = {k: v for k, v in kwargs.items() if v is not None}  # None: the config has no such field
         try:
             config = getattr(transformers, self.config)(**kwargs)
@@ -187,6 +199,7 @@ ARCHS: tuple[Arch, ...] = (
         {**_MOE, **_GDN, "shared_expert_intermediate_size": 16},
         ("gated-delta-net", "moe", "shared-expert", "gemma-norm", "kv-cache"),
         batch=1,
+        engine={**_GDN_ENGINE, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64},  # every layer MoE (vLLM needs one)
     ),
     Arch(
         "qwen3.5-moe",
@@ -195,6 +208,7 @@ ARCHS: tuple[Arch, ...] = (
         {**_MOE, **_GDN, "shared_expert_intermediate_size": 16},
         ("gated-delta-net", "moe", "shared-expert", "gemma-norm", "kv-cache"),
         batch=1,
+        engine={**_GDN_ENGINE, "moe_intermediate_size": 64, "shared_expert_intermediate_size": 64},
     ),
     Arch(
         "qwen3.5",
@@ -203,6 +217,7 @@ ARCHS: tuple[Arch, ...] = (
         {**_GDN, "tie_word_embeddings": True},
         ("gated-delta-net", "gemma-norm", "kv-cache", "tied"),
         batch=1,
+        engine=_GDN_ENGINE,
     ),
 )
 BY_NAME = {arch.name: arch for arch in ARCHS}

@@ -58,9 +58,9 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
     if steps == "steps":
         plans = row_plans(dump.sequences, engine, tiling=contract.kv_tiling)
     else:
-        module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls")}
+        module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls"), "gdn": engine.get("gdn")}
         alone = row_plans(dump.sequences, module_pass, with_logits=False, tiling=contract.kv_tiling)
-        plans = [RowPlan(p.body, (0,) * len(p.logits), p.kv_tiles) for p in alone]
+        plans = [RowPlan(p.body, (0,) * len(p.logits), p.kv_tiles, p.gdn) for p in alone]
     return [EngineRows.of([plan], contract.linears) for plan in plans]
 
 

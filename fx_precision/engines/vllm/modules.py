@@ -1,6 +1,7 @@
 """vLLM's module outputs renamed to transformers FQNs: what a teacher-forced training forward's hooks would record.
 
-qkv_proj  (out, bias)        ->  q_proj, k_proj, v_proj outputs (split by head counts)
+qkv_proj  (out, bias)        ->  q_proj, k_proj, v_proj outputs (split by head counts; a gated q holds its gate)
+in_proj_*, out_proj          ->  the same names (GatedDeltaNet's projections)
 gate_up_proj (out, bias)     ->  gate_proj, up_proj outputs
 layers.i (mlp_out, residual) ->  layers.i output: bf16(mlp_out + residual), as transformers adds
 *_layernorm (x, residual)    ->  input bf16(x + residual); output: the normalised x
@@ -20,6 +21,7 @@ from fx_precision.dtypes import dtype_name
 from fx_precision.dump import CallInfo, Record
 
 _LAYER = re.compile(r"^model\.layers\.\d+$")
+GDN_LINEARS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # as transformers names them
 
 
 def _first(value: Any) -> torch.Tensor:
@@ -92,7 +94,10 @@ class ModuleRecorder:
         if leaf.endswith("layernorm") or fqn == "model.norm":
             return [(fqn, "in", "args[0]", _added(named(0, "x"), named(1, "residual"))), (fqn, "out", "out", _first(out))]
         if leaf == "qkv_proj":
-            parts = _first(out).split(list(self.qkv), dim=-1)
+            fused = _first(out)
+            q, k, v = self.qkv
+            q = fused.shape[-1] - k - v  # a gated attention's q_proj holds the gate too (Qwen3-Next, Qwen3.5: twice q's width)
+            parts = fused.split([q, k, v], dim=-1)
             base = fqn.rsplit(".", 1)[0]
             return [r for name, part in zip(("q_proj", "k_proj", "v_proj"), parts, strict=True) for r in (
                 (f"{base}.{name}", "in", "args[0]", arg[0]), (f"{base}.{name}", "out", "out", part))]  # fmt: skip
@@ -101,7 +106,7 @@ class ModuleRecorder:
             base = fqn.rsplit(".", 1)[0]
             return [r for name, part in (("gate_proj", gate), ("up_proj", up)) for r in (
                 (f"{base}.{name}", "in", "args[0]", arg[0]), (f"{base}.{name}", "out", "out", part))]  # fmt: skip
-        if leaf in ("o_proj", "down_proj", "q_norm", "k_norm", "mlp"):
+        if leaf in ("o_proj", "down_proj", "q_norm", "k_norm", "mlp", *GDN_LINEARS):
             return [(fqn, "in", "args[0]", arg[0]), (fqn, "out", "out", _first(out))]
         if leaf == "self_attn":
             return [(fqn, "in", "kwargs.hidden_states", named(1, "hidden_states")), (fqn, "out", "out[0]", _first(out))]

@@ -80,6 +80,8 @@ def _linear_calls(model: Any) -> dict[str, tuple[Any, int]]:
         if place is None or not isinstance(size, int) or not hasattr(module, "quant_method"):
             continue
         weight = getattr(module, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() != 2 and weight.numel() > 0:
+            continue  # a linear layer class holding no matrix: GatedDeltaNet's conv weight [C, 1, K] (not a GEMM)
         kind = (place.group(1), tuple(weight.shape) if isinstance(weight, torch.Tensor) else ())
         if kind not in kinds:
             kinds.add(kind)

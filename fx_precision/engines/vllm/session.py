@@ -47,21 +47,17 @@ from fx_precision.dump import CallInfo, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.vllm.cpu_family import FamilySettings, cpu_flags, family_settings, native_family
+from fx_precision.engines.vllm.gdn_probe import probe_gdn
 from fx_precision.engines.vllm.modules import ModuleRecorder
 from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls, probe_moe, repack_experts
 from fx_precision.errors import PrecisionError
 
-LAUNCHES = ("defaults", "eager")
 COMPILED_ENGINE = (
     "the engine compiled its model (vLLM's default; --launch defaults): the contract follows a compiled engine where vLLM's "
     "native fused-add norm, neox rotary and activation run inside its Inductor graph (no custom op of theirs on); roll out with "
     "--launch eager to compare against the eager engine"
 )
-COMPILED_MOE = (
-    "the compiled engine's MoE router (its softmax, top-k and renormalisation in Inductor's code) is not followed yet: roll out "
-    "with --launch eager (the contract follows the eager engine's router and experts), or compare without --contract, with "
-    "--replay-routes"
-)
+LAUNCHES = ("defaults", "eager")
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -79,6 +75,24 @@ def import_vllm() -> Any:
             "`python -m fx_precision.tools.engine_env .venv-engine` and run fx-precision rollout from it"
         ) from None
     return vllm
+
+
+NEEDS_TORCHVISION = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # vLLM's Qwen3.5 module imports Qwen3-VL's
+
+
+def refuse_unimportable(config: Any) -> None:
+    """A model whose vLLM module cannot import in this environment is refused before the engine starts, in one line:
+    vLLM's Qwen3.5 module imports Qwen3-VL's vision tower, which needs torchvision (the engine environment installs
+    none: the registry's wheels are CUDA builds)."""
+    import importlib.util
+
+    model_type = str(getattr(config, "model_type", ""))
+    if model_type in NEEDS_TORCHVISION and importlib.util.find_spec("torchvision") is None:
+        raise PrecisionError(
+            f"vLLM's {model_type} model imports Qwen3-VL's vision code, which needs torchvision, and this engine environment has "
+            "none (the package registry's torchvision wheels are CUDA builds): roll out a Qwen3-Next checkpoint (vLLM runs "
+            "Qwen3.5's GatedDeltaNet layer as Qwen3-Next's), or install a CPU torchvision matching this torch"
+        )
 
 
 def engine_max_len(config: Any) -> int:
@@ -259,6 +273,7 @@ class VllmSession:
 
     def __init__(self, cfg: RolloutConfig) -> None:
         cc = read_checkpoint_config(cfg.model)  # a bad checkpoint is one line before the engine starts
+        refuse_unimportable(cc.config)
         if cfg.custom_ops not in ("default", "none"):
             raise PrecisionError(f"--custom-ops {cfg.custom_ops!r}: default or none")
         if cfg.split_kv not in ("default", "on", "off"):
@@ -333,6 +348,9 @@ class VllmSession:
             "logprobs": cfg.logprobs,
             "start_seconds": round(time.perf_counter() - started, 1),
         }
+        self._gdn = probe_gdn(self.model, self.info["kernels"], torch.Generator().manual_seed(20261205))
+        if self._gdn[2]:
+            self.info["gdn"] = self._gdn[2]  # its layers and how they ran: the dump's split of each sequence reads it
         self.norm_calls = {"with_residual": 0, "without": 0}
         # what the probes read stays read while this engine lives (forms and orders do not depend on the weights'
         # values): a later run probes only the calls it is the first to make
@@ -445,16 +463,19 @@ class VllmSession:
         if OpClass.MOE not in self._probed:
             self._probed[OpClass.MOE] = _never_fatal(OpClass.MOE, CandidateEvidence, self._moe, gen)
         moe, moe_found = self._probed[OpClass.MOE]
-        if moe is not None and self.compiled:  # its router's softmax and top-k are Inductor's code there: not followed yet
-            moe, moe_found = None, CandidateEvidence(why=COMPILED_MOE)
         if moe is None and moe_found is not None:  # an MoE model whose experts the contract does not follow: said why
             unmatched += ((OpClass.MOE, str(moe_found.why or "no candidate matched")),)
+        gdn, gdn_found, _ = self._gdn
+        if gdn is None and gdn_found is not None:  # a GatedDeltaNet model whose kernels the contract does not follow: said why
+            unmatched += ((OpClass.GDN, str(gdn_found.why or "no candidate matched")),)
+        evidence = replace(evidence, gdn=gdn_found)
         linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
         reductions = self.info.get("inductor_norms")
         return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
                               self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe,
                               self.info["inductor"] if self.compiled else None,
-                              tuple(NormReduction.from_dict(r) for r in reductions) if self.compiled and reductions else None)  # fmt: skip
+                              tuple(NormReduction.from_dict(r) for r in reductions) if self.compiled and reductions else None,
+                              gdn)  # fmt: skip
 
     def _norm_reductions(self) -> dict[str, Any]:
         """The compiled engine's norm reductions, read off the output code Inductor wrote for it (its compile cache:

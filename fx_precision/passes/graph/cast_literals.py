@@ -23,7 +23,7 @@ from collections.abc import Iterator
 
 from torch import fx
 
-from fx_precision.passes.graph.nodes import CAST_METHODS, is_cast, stack_frame
+from fx_precision.passes.graph.nodes import CAST_METHODS, ENGINE_MADE, is_cast, stack_frame
 
 LITERAL_DTYPE = re.compile(r"torch\.(float32|float64|float16|bfloat16|float|double|half)\b|\.(float|double|half|bfloat16)\(\)")
 _FIXED_DTYPE_METHODS = frozenset({"float", "double", "half", "bfloat16"})
@@ -79,8 +79,11 @@ def _names_a_dtype(call: ast.Call) -> bool:
 def names_literal_dtype(node: fx.Node) -> bool:
     """Whether the program wrote this cast's target dtype literally (``torch.float32``, ``.float()``).
 
-    A node without a traced source line counts as literal: the pass then leaves it alone.
+    A node without a traced source line counts as literal: the pass then leaves it alone; so does a cast an engine-contract
+    rewrite wrote (its dtype is the engine's, literal in the rewrite, though the node keeps the model's source line).
     """
+    if node.meta.get(ENGINE_MADE):
+        return True
     frame = _frame(node)
     if frame is None:
         return True

@@ -6,6 +6,8 @@ op class off its engine), the ops are ``contract/ops.py``'s custom ops, the rewr
 op class, found by what the ops do, never by module names (every architecture with the pattern is covered)::
 
     OP_CLASSES     op class      probe (adapter)         ops (torch.ops.fxp_engine)           rewrite
+    0              gdn           the GatedDeltaNet kernels gdn, gated_rms_norm (gdn.py)     gdn.engine_gdn (first: its
+                                                                                                 region holds norms, exps)
     1              moe           the router, the experts moe_route, fused_moe                 moe.engine_moe (first: the
                                                                                                  block's output is bf16)
     2              norm          the fused norm          residual_add, unrounded_residual     norm.fuse_add_norm
@@ -36,6 +38,7 @@ from fx_precision.passes.context import GraphRewrite, PassContext
 from fx_precision.passes.rewrites.engine.attention import engine_attention
 from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn
 from fx_precision.passes.rewrites.engine.eager_math import engine_eager_math
+from fx_precision.passes.rewrites.engine.gdn import engine_gdn
 from fx_precision.passes.rewrites.engine.linears import engine_linears
 from fx_precision.passes.rewrites.engine.moe import engine_moe
 from fx_precision.passes.rewrites.engine.norm import fuse_add_norm
@@ -54,6 +57,7 @@ class OpClassPass:
 
 
 OP_CLASSES: tuple[OpClassPass, ...] = (
+    OpClassPass(OpClass.GDN, ("gdn", "gated_rms_norm"), engine_gdn, "engine-gdn"),
     OpClassPass(OpClass.MOE, ("moe_route", "fused_moe"), engine_moe, "engine-moe"),
     OpClassPass(OpClass.NORM, ("residual_add", "unrounded_residual"), fuse_add_norm, "fused-add-norm"),
     OpClassPass(OpClass.ROTARY, ("rotary",), engine_rotary, "engine-rotary"),
@@ -81,6 +85,7 @@ def engine_coverage(contract: EngineContract) -> RewriteFn:
 
 def engine_rewrites(contract: EngineContract) -> list[GraphRewrite]:
     """The contract's rewrites in the order of ``OP_CLASSES``, then the coverage check."""
+    import fx_precision.contract.gdn  # (registers torch.ops.fxp_engine.gdn / gated_rms_norm)
     import fx_precision.contract.ops  # noqa: F401  (registers torch.ops.fxp_engine)
 
     steps = [GraphRewrite(p.name, p.rewrite(contract)) for p in OP_CLASSES if p.rewrite is not None]

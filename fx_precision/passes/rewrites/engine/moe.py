@@ -117,10 +117,25 @@ def engine_moe(contract: EngineContract) -> RewriteFn:
     return rewrite
 
 
+def _native_route_weights(graph: fx.Graph, logits16: fx.Node, ids: fx.Node, renormalize: bool) -> fx.Node:
+    """The router's weights as vLLM's ``_softmax_topk`` writes them after its top-k (``ids``: the engine's, in its
+    unsorted order), for the training side's Inductor to compile as the compiled engine's did: softmax over the chosen
+    logits (renormalised), or exp(chosen - logsumexp(all)), then fp32. Inductor computes them in fp32 and drops the
+    bf16 rounding eager torch makes: its kernel, not ``moe_route``'s eager weights, is what the engine ran."""
+    chosen = graph.call_method("gather", (logits16, -1, ids))
+    if renormalize:
+        weights = graph.call_function(torch.softmax, (chosen,), {"dim": -1})
+    else:
+        log_z = graph.call_function(torch.logsumexp, (logits16,), {"dim": -1, "keepdim": True})
+        weights = graph.call_method("exp", (graph.call_function(operator.sub, (chosen, log_z)),))
+    return graph.call_method("to", (weights, torch.float32))
+
+
 def _rewrite_region(graph: fx.Graph, path: str, region: list[fx.Node], contract: EngineContract, params: set[fx.Node],
                     linears: set[fx.Node]) -> EngineRewrite:  # fmt: skip
     moe = contract.moe
     assert moe is not None
+    compiled = contract.inductor is not None
     inside = set(region)
     outside = list(dict.fromkeys(a for n in region for a in n.all_input_nodes if a not in inside))
     values = {a: _value(a) for a in outside}
@@ -152,18 +167,20 @@ def _rewrite_region(graph: fx.Graph, path: str, region: list[fx.Node], contract:
         raise PrecisionError(f"the experts at {path}: {len(leaving)} values leave the module; the engine's fused experts make one")
     out = leaving[0]
     logits = _router_logits(ids[0], linears)
-    hidden_value = values[hidden[0]]
-    out_dtype = hidden_value.dtype if hidden_value is not None else torch.bfloat16  # experts return at their input's dtype
 
     def build() -> fx.Node:
         x16, w13_16, w2_16, logits16 = (graph.call_method("to", (t, torch.bfloat16)) for t in (hidden[0], w13, w2, logits))
         route = graph.call_function(torch.ops.fxp_engine.moe_route.default, (logits16, moe.top_k, moe.renormalize))
         route_weights = graph.call_function(operator.getitem, (route, 0))
         route_ids = graph.call_function(operator.getitem, (route, 1))
+        if compiled:  # the compiled engine's router weights are Inductor's kernel of vLLM's native ops: the same ops here
+            route_weights = _native_route_weights(graph, logits16, route_ids, moe.renormalize)
         made = graph.call_function(
             torch.ops.fxp_engine.fused_moe.default, (x16, w13_16, w2_16, route_weights, route_ids, moe.exp, moe.store, moe.combine)
         )
-        return graph.call_method("to", (made, out_dtype)) if out_dtype != torch.bfloat16 else made
+        # the experts return at their input's dtype as it is when the graph runs: the example values of a later layer's
+        # input still hold the dtype the stream had before an earlier layer's rewrite made it the engine's bf16
+        return graph.call_method("type_as", (made, hidden[0]))
 
     made = replace_node(graph, out, build, MOE, erase=[])
     for node in reversed(region):

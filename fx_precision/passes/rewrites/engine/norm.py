@@ -157,11 +157,18 @@ def _scaling_weights(graph: fx.Graph) -> list[tuple[fx.Node, fx.Node]]:
 
 def _weight_source(weight: fx.Node) -> fx.Node:
     """The tensor a norm's weight operand reads: through casts and views (``PASS_THROUGH``) to the graph input (the
-    module's parameter, or FSDP2's gathered one), which ``fxp_engine.inductor_sum_squares`` finds its norm by."""
+    module's parameter, or FSDP2's gathered one), which ``fxp_engine.inductor_sum_squares`` finds its norm by.
+    A zero-centred weight (``1 + w.float()``: Qwen3-Next's, Gemma's norms) is read through its constant offset."""
     node = weight
-    while node.op == "call_method" and node.target in PASS_THROUGH and node.args and isinstance(node.args[0], fx.Node):
-        node = node.args[0]
-    return node
+    while True:
+        if node.op == "call_method" and node.target in PASS_THROUGH and node.args and isinstance(node.args[0], fx.Node):
+            node = node.args[0]
+            continue
+        tensors = [a for a in node.args[:2] if isinstance(a, fx.Node)]
+        if is_call(node, ADD, "add") and len(tensors) == 1 and any(isinstance(a, (int, float)) for a in node.args[:2]):
+            node = tensors[0]
+            continue
+        return node
 
 
 def _engine_ordered_sum(graph: fx.Graph, scaled: fx.Node, weight: fx.Node) -> EngineRewrite:

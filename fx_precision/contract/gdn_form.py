@@ -1,0 +1,47 @@
+"""What the rollout's probe read of the engine's GatedDeltaNet layers (the contract's ``gdn`` op class): typed, no ops
+(contract/gdn.py holds the kernels and the ops that compute it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from fx_precision.errors import PrecisionError
+
+CHUNK = 64  # the chunk kernel's chunk
+PORTABLE = "portable"  # vLLM's _C_AVX2 build: ATen's generic lanes, glibc's libm, no FMA (the kernels followed)
+HEAD_DIMS = (64, 128)  # what the engine's chunk kernel takes (it refuses 32)
+STATE_DTYPES = ("bf16", "fp32")
+
+
+@dataclass(frozen=True)
+class GdnForm:
+    """How the engine computes its GatedDeltaNet layers: the kernel build (``PORTABLE``), the SSM state cache's dtype
+    (bf16: rounded after every chunk and decoded token; fp32), and the l2-norm's eps."""
+
+    kernels: str = PORTABLE
+    state: str = "bf16"
+    eps: float = 1e-5
+
+    def __post_init__(self) -> None:
+        if self.kernels != PORTABLE:
+            raise PrecisionError(f"GdnForm.kernels={self.kernels!r}: the contract follows {PORTABLE!r} (vLLM's _C_AVX2 build)")
+        if self.state not in STATE_DTYPES:
+            raise PrecisionError(f"GdnForm.state={self.state!r}: one of {', '.join(STATE_DTYPES)}")
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 < float(self.eps) < 1.0:
+            raise PrecisionError(f"GdnForm.eps={self.eps!r}: a small positive number")
+
+    def describe(self) -> str:
+        return f"{self.kernels} kernels, {self.state} state, chunks of {CHUNK}, eps {self.eps:g}"
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"kernels": self.kernels, "state": self.state, "eps": float(self.eps)}
+
+    @classmethod
+    def from_dict(cls, data: Any, where: str = "contract.gdn") -> GdnForm:
+        if not isinstance(data, dict) or set(data) != {"kernels", "state", "eps"}:
+            raise PrecisionError(f"{where}: an object of kernels, state and eps, got {data!r}"[:300])
+        try:
+            return cls(**data)
+        except PrecisionError as exc:
+            raise PrecisionError(str(exc).replace("GdnForm.", f"{where}.")) from None

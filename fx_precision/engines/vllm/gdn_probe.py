@@ -1,0 +1,143 @@
+"""The GatedDeltaNet probe: vLLM's own GDN kernels against the contract's (contract/gdn.py), bit for bit, at the model's
+head counts and dims, its SSM state's dtype and the kernel build this engine loaded.
+
+    gdn_layers(model)      the engine's linear-attention layers (QwenGatedDeltaNetAttention: Qwen3-Next, Qwen3.5)
+    probe_gdn(model, kernels, gen) -> (GdnForm | None, evidence, engine record)
+        the build          the portable one (_C_AVX2, conv by torch: the only one followed); another is refused, said why
+        the kernels        prefill gating, the chunk rule (pieces of 1, 33, 64, 130 tokens, with and without a state, more
+                           than one request in a call), the decode kernel (three rows), the conv's decode update and its
+                           prefill (vLLM's torch fallback), each against the contract's on random inputs
+Nothing here runs what this CPU cannot: every op probed is the engine's own, loaded in this process.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from fx_precision.contract.evidence import CandidateEvidence
+from fx_precision.contract.gdn_form import HEAD_DIMS, PORTABLE, GdnForm
+
+PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
+EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant
+
+
+def gdn_layers(model: Any) -> list[tuple[str, Any]]:
+    """The engine's GatedDeltaNet layers, by what they hold (a conv state and an SSM state in one cache, key and value
+    heads of their own)."""
+    return [(name, m) for name, m in model.named_modules()
+            if all(hasattr(m, a) for a in ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel_size"))]  # fmt: skip
+
+
+def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm | None, CandidateEvidence | None, dict[str, Any]]:
+    """(form, evidence, the dump's engine record ``gdn``); (None, None, {}) for a model without GDN layers."""
+    layers = gdn_layers(model)
+    if not layers:
+        return None, None, {}
+    name, layer = layers[0]
+    heads, value_heads = int(layer.num_k_heads), int(layer.num_v_heads)
+    dim, value_dim, width = int(layer.head_k_dim), int(layer.head_v_dim), int(layer.conv_kernel_size)
+    state = getattr(layer, "kv_cache", None)
+    state_dtype = state[1].dtype if isinstance(state, (tuple, list)) and len(state) == 2 else None
+    state_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(state_dtype, str(state_dtype)) if state_dtype is not None else "none"
+    record = {"layers": [n for n, _ in layers], "key_heads": heads, "value_heads": value_heads, "head_dim": dim, "conv_width": width,
+              "state": state_name, "kernels": kernels}  # fmt: skip
+    why = _not_followed(kernels, dim, value_dim, state_dtype)
+    if why or state_dtype is None:
+        return None, CandidateEvidence(why=why or "the engine's layer holds no SSM state", details={"layer": name}), record
+    form = GdnForm(PORTABLE, state_name, EPS)
+    try:
+        differ = _differing(heads, value_heads, dim, width, state_dtype, gen)
+    except Exception as exc:  # an engine op that refused the probe's shapes: recorded, never the run's end
+        return None, CandidateEvidence(why=f"the GDN probe could not run here: {type(exc).__name__}: {exc}"[:300], failed=True), record
+    candidates = {form.describe(): len(differ)}
+    if differ:
+        why = f"the engine's {', '.join(differ)} part(s) from the contract's"
+        return None, CandidateEvidence(candidates, why=why, details={"layer": name}), record
+    return form, CandidateEvidence(candidates, kept=form.describe(), details={"layer": name}), record
+
+
+def _not_followed(kernels: str, dim: int, value_dim: int, state_dtype: torch.dtype | None) -> str | None:
+    if PORTABLE_BUILD not in kernels:
+        return (f"the engine loaded its {kernels} kernels, whose GatedDeltaNet ops (prepacked conv, AVX-512 exp, brgemm) the "
+                f"contract does not follow yet; rollout --isa avx2 runs its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
+    if torch.cpu._is_avx512_bf16_supported():
+        return "the engine runs its C++ conv kernels on this CPU (AVX-512 BF16), which the contract does not follow; rollout --isa avx2"
+    if dim != value_dim or dim not in HEAD_DIMS:
+        return f"linear head dims {dim} (key) / {value_dim} (value): the engine's chunk kernel takes one dim of {HEAD_DIMS}"
+    if state_dtype not in (torch.bfloat16, torch.float32):
+        return f"the engine's SSM state is {state_dtype}, not a bf16 or fp32 cache"
+    return None
+
+
+def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: torch.Generator) -> list[str]:
+    """The kernels whose bits part from the contract's on random inputs at these sizes (empty: every bit equal)."""
+
+    from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu
+
+    from fx_precision.contract import gdn as ours
+
+    ops = torch.ops._C
+    bf = torch.bfloat16
+    bf16_state = state_dtype == bf
+    differ = []
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    T = 37
+    A_log, dt_bias = randn(Hv).float(), randn(Hv).to(bf)
+    a, b = randn(T, Hv, scale=3).to(bf), randn(T, Hv, scale=3).to(bf)
+    g_ref, beta_ref = ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    g, beta = ours.gating(a, b, A_log, dt_bias, decode=False)
+    if not (torch.equal(g, g_ref.reshape(T, Hv)) and torch.equal(beta, beta_ref.reshape(T, Hv))):
+        differ.append("prefill gating")
+    lens = [1, 33, 64, 130]
+    total = sum(lens)
+    q, k, v = randn(1, total, H, D).to(bf), randn(1, total, H, D).to(bf), randn(1, total, Hv, D).to(bf)
+    gg, bb = (-torch.rand(1, total, Hv, generator=gen) * 0.5).float(), torch.rand(1, total, Hv, generator=gen).to(bf)
+    pool = randn(len(lens), Hv, D, D, scale=0.2).to(state_dtype)
+    pool[0] = 0  # a new request: the engine zeroes its slot
+    start = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.arange(len(lens), dtype=torch.int32)
+    out_ref, _ = ops.chunk_gated_delta_rule_cpu(q, k, v, gg, bb, pool, True, cu, False, True, slots, EPS)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        st = start[i].float().contiguous()
+        got = ours.chunk_rule(q[0, s:e], k[0, s:e], v[0, s:e], gg[0, s:e], bb[0, s:e], st, bf16_state, EPS)
+        if not (torch.equal(got, out_ref[0, s:e]) and torch.equal(st.to(state_dtype), pool[i])):
+            differ.append(f"chunk rule ({e - s} tokens)")
+            break
+    B = 3
+    q, k, v = randn(1, B, H, D).to(bf), randn(1, B, H, D).to(bf), randn(1, B, Hv, D).to(bf)
+    a, b = randn(B, Hv, scale=2).to(bf), randn(B, Hv).to(bf)
+    pool = randn(B, Hv, D, D, scale=0.3).to(state_dtype)
+    start = pool.clone()
+    out_ref = ops.fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, pool, torch.arange(B, dtype=torch.int32),
+                                                             torch.arange(B + 1, dtype=torch.int32), True, 1.0, 20.0)  # fmt: skip
+    g, beta = ours.gating(a, b, A_log, dt_bias, decode=True)
+    st = start.float().contiguous()
+    got = ours.decode_rule(q[0], k[0], v[0], g, beta, st, bf16_state, EPS)
+    if not (torch.equal(got, out_ref.reshape(B, Hv, D)) and torch.equal(st.to(state_dtype), pool)):
+        differ.append("decode rule")
+    C = 2 * H * D + Hv * D
+    weight = randn(C, K, scale=0.5).to(bf)
+    cache = randn(2, K - 1, C).to(bf)  # vLLM's SD layout: (slots, K - 1, C), passed transposed
+    x = randn(2, C).to(bf)
+    mine = []
+    for i in range(2):
+        conv_state = cache[i].t().contiguous()
+        mine.append((ours.conv_decode(x[i], conv_state, weight), conv_state))
+    ref = ops.causal_conv1d_update_cpu_vec(x.clone(), cache.transpose(-1, -2), weight, None, "silu", torch.arange(2, dtype=torch.int32),
+                                           None, -1)  # fmt: skip
+    if not all(torch.equal(o, ref[i]) and torch.equal(s, cache[i].t()) for i, (o, s) in enumerate(mine)):
+        differ.append("conv update (decode)")
+    L = 45
+    xs = randn(C, L).to(bf)
+    states = randn(1, C, K - 1).to(bf)
+    ref_out = causal_conv1d_fn_cpu(xs.clone(), weight, None, states.clone(), torch.tensor([0, L], dtype=torch.int32),
+                                   torch.tensor([0], dtype=torch.int32), torch.tensor([True]), "silu")  # fmt: skip
+    if not torch.equal(ours.prefill_conv(xs, states[0], weight), ref_out):
+        differ.append("conv (prefill)")
+    return differ

@@ -1,0 +1,95 @@
+"""GatedDeltaNet (Qwen3-Next; Qwen3.5 shares vLLM's layer) against the real engine.
+
+the kernels      vLLM's own GDN ops (prefill gating, chunk rule over pieces with and without a state, the decode
+                 kernel, the conv's decode update and prefill) equal the contract's bit for bit at head counts,
+                 dims and state dtypes the probe never ran (its portable build, _C_AVX2, loaded in this process)
+end to end       a Qwen3-Next hybrid (linear, full, linear, linear; every MLP an MoE block) rolled out by the eager
+                 engine and by the engine as its users launch it (compiled: its gated norm and router are
+                 Inductor's code): compare --contract vllm finds every sampled log-prob bitwise, each GDN layer
+                 rewritten (core and gated norm)
+where the engine runs a build the contract does not follow (AVX-512 BF16: its C++ conv kernels), the comparison is
+refused in one line naming the GDN op class, never reported
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from fx_precision.tools.checkpoint import write_tiny_checkpoint
+
+CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
+ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
+SAMPLES, MAX_TOKENS, PROMPT_LENS = 2, 6, "5,70,133"
+PORTABLE = not torch.cpu._is_avx512_supported()  # vLLM loads its portable build (_C_AVX2) here
+
+
+def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, check=False)
+    if check and done.returncode != 0:
+        raise AssertionError(f"fx-precision {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
+    return done
+
+
+@pytest.mark.skipif(not PORTABLE, reason="vLLM loads its AVX-512 build on this CPU; its portable GDN ops (_C_AVX2) would "
+                    "register the same op names in this process")  # fmt: skip
+@pytest.mark.parametrize(
+    ("heads", "value_heads", "dim", "width", "state"),
+    [(1, 2, 64, 4, torch.bfloat16), (2, 2, 128, 4, torch.float32), (3, 6, 128, 3, torch.bfloat16), (2, 8, 64, 4, torch.float32)],
+)
+def test_the_engines_gdn_kernels_equal_the_contracts_at_held_out_shapes(heads: int, value_heads: int, dim: int, width: int,
+                                                                         state: torch.dtype) -> None:  # fmt: skip
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # the portable build's ops (_C_AVX2 on this CPU), as the engine loads them
+
+    from fx_precision.engines.vllm.gdn_probe import _differing
+
+    differ = _differing(heads, value_heads, dim, width, state, torch.Generator().manual_seed(heads * 1000 + dim))
+    assert differ == [], differ
+
+
+@pytest.fixture(scope="module")
+def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("gdn")
+    checkpoint = write_tiny_checkpoint("qwen3-next", root / "ckpt", seed=23)
+    for launch in ("eager", "defaults"):
+        run("rollout", "--model", str(checkpoint), "--prompt-lens", PROMPT_LENS, "--samples", str(SAMPLES), "--max-tokens",
+            str(MAX_TOKENS), "--seed", "3", "--launch", launch, "--out", str(root / launch))  # fmt: skip
+    return {"checkpoint": checkpoint, "eager": root / "eager", "defaults": root / "defaults"}
+
+
+@pytest.mark.parametrize("launch", ["eager", "defaults"])
+def test_a_qwen3_next_hybrid_is_bitwise_against_the_engine(hybrid: dict[str, Path], launch: str) -> None:
+    compiled = ("--compiled",) if launch == "defaults" else ()
+    done = run("compare", "--model", str(hybrid["checkpoint"]), "--rollout", str(hybrid[launch]), "--contract", "vllm",
+               *compiled, "--json", check=PORTABLE)  # fmt: skip
+    if not PORTABLE:  # the engine's AVX-512 GDN build: refused in one line, naming the op class
+        assert done.returncode != 0 and "gdn" in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-2000:]
+        return
+    report = json.loads(done.stdout)
+    config = json.loads((hybrid["checkpoint"] / "config.json").read_text())
+    linear_layers = config["layer_types"].count("linear_attention")
+    rewritten = re.search(r"'engine-gdn': (\d+)", report["a"])
+    assert rewritten is not None and int(rewritten.group(1)) == 2 * linear_layers, report["a"]  # each layer's core and gated norm
+    lp = report["logprob"]
+    assert lp["generated"]["tokens"] == 3 * SAMPLES * MAX_TOKENS
+    assert lp["generated"]["bitwise_share"] == 1.0, lp
+
+
+def test_a_qwen3_5_rollout_is_refused_in_one_line_where_vllm_cannot_import_it(tmp_path: Path) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("torchvision") is not None:
+        pytest.skip("torchvision is installed in this engine environment: vLLM's Qwen3.5 module imports")
+    checkpoint = write_tiny_checkpoint("qwen3.5", tmp_path / "ckpt", seed=1)
+    done = run("rollout", "--model", str(checkpoint), "--out", str(tmp_path / "dump"), check=False)
+    assert done.returncode != 0 and "torchvision" in done.stderr and "Qwen3-Next" in done.stderr, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr and not (tmp_path / "dump").exists()  # refused before the engine starts
