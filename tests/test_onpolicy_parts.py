@@ -4,6 +4,7 @@ tests/engine/test_onpolicy.py."""
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 
@@ -32,7 +33,7 @@ def test_at_ratio_one_the_loss_gradient_is_the_policy_gradient() -> None:
     grpo_token_loss(lp, lp.detach(), adv).sum().backward()
     assert lp.grad is not None and torch.equal(lp.grad, -adv)  # d/dlp of -ratio * A at ratio 1
     stats = ratio_stats(lp.detach(), lp.detach())
-    assert stats == {"ratio_min": 1.0, "ratio_max": 1.0, "k3_kl": 0.0}
+    assert stats == {"ratio_min": 1.0, "ratio_mean": 1.0, "ratio_max": 1.0, "k1_kl": 0.0, "k3_kl": 0.0}
 
 
 def test_the_ratio_is_clipped_where_the_advantage_would_push_it_further() -> None:
@@ -93,6 +94,22 @@ def test_the_json_speaks_the_rl_frameworks_names_beside_its_own() -> None:
     assert step["standard"]["train/train_rollout_logprob_abs_diff"] == step["mean_delta"]
     assert step["standard"]["rollout_corr/k3_kl"] == step["k3_kl"] and set(step["standard"]) == set(STANDARD_NAMES)
     assert step["mismatches"] == 1 and step["first_mismatch"]["token"] == 3
+    three = certify(_data([[-1.0, -2.0, -3.0]], prompt_len=1), {0: torch.tensor([-1.0, -2.0, -3.5])}, {0: torch.tensor([-1.0, -2.0, -3.5])})
+    step = StepMetrics(0, 1, three, 0.5, 0.0, "f", "w", {"step": 1.0}).to_dict()
+    ratios = torch.tensor([1.0, 1.0, math.exp(-0.5)], dtype=torch.float64)  # p_train / p_rollout of the three sampled tokens
+    standard = step["standard"]
+    assert standard["sampling/importance_sampling_ratio/min"] == step["ratio_min"] == float(ratios.min())
+    assert standard["sampling/importance_sampling_ratio/max"] == 1.0
+    assert standard["sampling/importance_sampling_ratio/mean"] == pytest.approx(float(ratios.mean()), rel=1e-12)
+    assert standard["rollout_corr/kl"] == pytest.approx(0.5 / 3, rel=1e-6)  # mean of log p_rollout - log p_train
+    probs = (torch.tensor([-3.5]).double().exp() - torch.tensor([-3.0]).double().exp()).abs()
+    assert standard["training/rollout_probs_diff_std"] == pytest.approx(
+        float(torch.cat([torch.zeros(2, dtype=torch.float64), probs]).std(unbiased=False))
+    )
+    from fx_precision.onpolicy.report import table
+
+    run = OnPolicyRun({"contract": "none"}, {}, None, [StepMetrics(0, 1, found, 0.5, 0.0, "f", "w", {"step": 1.0})])
+    assert all(name in table(run) for name in STANDARD_NAMES)  # the CLI's table speaks them too
 
 
 def test_every_rank_gets_the_same_number_of_fixed_shape_micro_batches() -> None:
@@ -241,7 +258,8 @@ def test_the_plot_draws_reward_and_mismatch_per_step(tmp_path: Path) -> None:
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     line = summary_line(run)
     assert "5 of 6 steps without a mismatch" in line and "0.300 (first 3 steps) -> 0.450 (last 3)" in line
-    assert table(run).count("\n") == 7  # header, rule, six steps
+    own, standard = table(run).split("\n\n")
+    assert own.count("\n") == standard.count("\n") == 7  # header, rule, six steps: the project's names, then the frameworks'
     with pytest.raises(PrecisionError, match=r"a \.png file"):
         plot([("x", run)], tmp_path / "p.svg")
 
@@ -256,3 +274,22 @@ def test_module_records_against_the_compiled_engine_are_refused_before_an_engine
     with pytest.raises(PrecisionError, match=r"--modules with --engine-launch defaults: .*\(--engine-launch eager\)$"):
         OnPolicyConfig(checkpoint="ckpt", out="out", prompt_lens=(8,), modules=True, engine_launch="defaults", compiled=True)
     assert RolloutConfig(model="ckpt", prompts=((1, 2, 3),), modules=True, launch="eager").modules
+
+
+def test_the_cli_and_the_python_api_launch_one_engine_by_default() -> None:
+    """``fx-precision rollout`` with no launch flag and ``RolloutConfig`` with no launch field ask for the same engine: the
+    engine's defaults (compiled, prefix caching), the machine's cores, no prompt log-probs; asked for eager, both give the
+    diagnostic engine (one thread, prompt log-probs)."""
+    from fx_precision.engines.adapter import RolloutConfig
+    from fx_precision.tools.cli import build_parser, rollout_config
+
+    prompts = ((1, 2, 3, 4, 5),)
+    for flags, fields in (([], {}), (["--launch", "eager"], {"launch": "eager"}), (["--threads", "3"], {"threads": 3})):
+        args = build_parser().parse_args(["rollout", "--model", "ckpt", "--out", "dump", *flags])
+        assert rollout_config(args, prompts) == RolloutConfig(model="ckpt", prompts=prompts, **fields), flags
+    api = RolloutConfig(model="ckpt", prompts=prompts)
+    assert (api.launch, api.threads, api.prompt_logprobs) == ("defaults", os.cpu_count() or 1, False)
+    eager = RolloutConfig(model="ckpt", prompts=prompts, launch="eager")
+    assert (eager.threads, eager.prompt_logprobs) == (1, True)
+    with pytest.raises(PrecisionError, match=r"--launch 'fast': one of defaults, eager"):
+        RolloutConfig(model="ckpt", prompts=prompts, launch="fast")

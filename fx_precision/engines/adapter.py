@@ -22,6 +22,7 @@ RolloutConfig                       what a rollout asks of any engine (knobs an 
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -33,6 +34,8 @@ from fx_precision.dump import CallInfo, Dump, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.errors import PrecisionError
 
+LAUNCHES = ("defaults", "eager")
+DEFAULT_LAUNCH = "defaults"  # the engine as its users launch it: the CLI's --launch default and RolloutConfig's, one value
 COMPILED_MODULES = (
     "vLLM compiles its model at its defaults, and module hooks do not run inside the compiled graph: the dump would hold no "
     "module's inputs or outputs; record modules against the eager engine (--launch eager)"
@@ -45,24 +48,35 @@ class RolloutConfig:
     prompts: tuple[tuple[int, ...], ...]
     engine: str = "vllm"
     max_tokens: int = 8
-    seed: int = 0
+    seed: int = 1  # the engine's generator, seeded once (and the CLI's synthetic prompts): rollout --seed's default
     temperature: float = 1.0
     samples: int = 1  # samples of each prompt (GRPO's group)
     top_k: int = 0  # the sampler keeps the k most likely tokens (0: all)
     top_p: float = 1.0  # ... and the fewest whose probabilities sum past p (1: all)
     modules: bool = False
-    threads: int = 1
+    threads: int = 0  # the engine's OpenMP threads; 0: the launch's own (1 eager, the machine's cores at the defaults)
     custom_ops: str = "default"  # vLLM: "default" (its choice: the C++ rotary on CPU) | "none" (native torch forms)
     split_kv: str = "default"  # vLLM: "default" (the environment's VLLM_CPU_ATTN_SPLIT_KV: on) | "on" | "off"
     isa: str = "auto"  # vLLM: "auto" (what it picks on this machine) | "avx2" | "avx512" (another kernel build)
     logprobs: str = "raw"  # "raw" (of the logits as they are) | "processed" (of the logits at the temperature)
-    launch: str = "eager"  # vLLM: "defaults" (as users launch it: compile on, prefix caching, chunked prefill) | "eager"
-    prompt_logprobs: bool = True  # the prompt tokens' log-probs too (users sample without: logprobs of the samples only)
+    launch: str = DEFAULT_LAUNCH  # vLLM: "defaults" (as users launch it: compile on, prefix caching, chunked prefill) | "eager"
+    prompt_logprobs: bool | None = None  # the prompt tokens' log-probs too; None: the launch's own (eager yes, defaults no:
+    # users sample without them)
     max_model_len: int | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        """Checks the sampling and the launch, and settles what the launch decides where it was left to it (``threads``
+        0, ``prompt_logprobs`` None), so the CLI and the Python API run one engine for one request."""
+        if self.launch not in LAUNCHES:
+            raise PrecisionError(f"--launch {self.launch!r}: one of {', '.join(LAUNCHES)}")
         check_sampling(self.temperature, self.samples, self.top_k, self.top_p)
+        if isinstance(self.threads, bool) or not isinstance(self.threads, int) or self.threads < 0:
+            raise PrecisionError(f"--threads {self.threads!r}: a count of threads, 0 for the launch's own")
+        if self.threads == 0:
+            object.__setattr__(self, "threads", 1 if self.launch == "eager" else os.cpu_count() or 1)
+        if self.prompt_logprobs is None:
+            object.__setattr__(self, "prompt_logprobs", self.launch == "eager")
         if self.modules and self.launch == "defaults":
             raise PrecisionError(f"--modules with --launch defaults: {COMPILED_MODULES}")
 

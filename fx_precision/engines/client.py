@@ -11,8 +11,10 @@
     ├── describe()                     how the engine runs
     └── close()                        the engine stopped, its weights file removed (also on every failure)
 
-Every call has a time limit derived from what it is (``EngineTimeouts``): an engine that does not answer in time
-(stalled, stopped with SIGSTOP, deadlocked) is killed and the call is one PrecisionError naming it; an engine that
+Every call has a time limit derived from what it is (``EngineTimeouts``): an engine that does not answer in time is
+killed and the call is one PrecisionError naming it. The engine beats once a second on a pipe (engines/serve.py): one
+silent for ``SILENT`` seconds (stopped with SIGSTOP, hung) is killed then, whatever its call's limit, while a slow one
+(beats arriving) has its limit; an engine that
 dies is one PrecisionError naming the call, its exit status and the last line of its log. The engine runs in its own
 session (a terminal's Ctrl-C reaches the trainer, which stops it) and dies with the process that started it.
 """
@@ -36,11 +38,14 @@ import torch
 from fx_precision.contract import EngineContract
 from fx_precision.engines import protocol
 from fx_precision.engines.adapter import Generation, RolloutConfig, SamplingRequest
+from fx_precision.engines.serve import HEARTBEAT_FD
 from fx_precision.errors import PrecisionError
 
 ENGINE_ENV_DIR = ".venv-engine"  # where python -m fx_precision.tools.engine_env puts it by default
 DEFAULT_TIMEOUT = 300.0  # seconds: the base of every engine call's limit (--engine-timeout)
 START = 600.0  # seconds an engine has to start at least (vLLM imports, loads and compiles)
+SILENT = 30.0  # seconds without a heartbeat after which an engine is stopped or hung, not slow
+SILENCE = object()  # _read_line: the engine went silent
 
 
 def engine_python(explicit: str | None = None) -> str:
@@ -104,11 +109,18 @@ class EngineProcess:
         self._buffer = b""
         log.parent.mkdir(parents=True, exist_ok=True)
         self._log_file: IO[str] = log.open("a")
-        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONUNBUFFERED": "1"}
-        self.proc = subprocess.Popen(
-            [python, "-m", "fx_precision.engines.serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
-            env=env, start_new_session=True,  # a terminal's Ctrl-C reaches the trainer, which stops the engine in order
-        )  # fmt: skip
+        self._beats, beat_end = os.pipe()  # the engine's heartbeats (engines/serve.py start_heartbeat)
+        os.set_blocking(self._beats, False)
+        env = {**os.environ, "OMP_NUM_THREADS": str(cfg.threads), "PYTHONUNBUFFERED": "1", HEARTBEAT_FD: str(beat_end)}
+        try:
+            self.proc = subprocess.Popen(
+                [python, "-m", "fx_precision.engines.serve"], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log_file,
+                env=env, pass_fds=(beat_end,),
+                start_new_session=True,  # a terminal's Ctrl-C reaches the trainer, which stops the engine in order
+            )  # fmt: skip
+        finally:
+            os.close(beat_end)
+        self._last_beat = time.monotonic()
         try:
             started = self._call(protocol.Start.of(cfg))
             assert isinstance(started, protocol.Started)
@@ -126,27 +138,62 @@ class EngineProcess:
         except (BrokenPipeError, OSError):
             raise self._died(request.op) from None
         limit = self.timeouts.of(request)
+        self._heard()
+        self._last_beat = time.monotonic()  # silence counts from the request on
         line = self._read_line(time.monotonic() + limit)
+        if line is SILENCE:
+            state = self._state()
+            self._kill()
+            raise PrecisionError(
+                f"the engine stopped answering {request.op}: no heartbeat for {SILENT:.0f} s ({state}), so it was stopped; its "
+                f"log is {self.log}"
+            )
         if line is None:
             self._kill()
             raise PrecisionError(
                 f"the engine did not answer {request.op} within {limit:.0f} s (stalled, stopped or deadlocked) and was stopped; its "
                 f"log is {self.log}. A slower machine or model needs a longer --engine-timeout (now {self.timeouts.base:.0f} s)"
             )
-        if not line:
+        if not isinstance(line, str) or not line:
             raise self._died(request.op)
         return protocol.decode_reply(request, line)
 
-    def _read_line(self, deadline: float) -> str | None:
-        """The next reply line; "" at the end of the stream (the engine exited), None past ``deadline``."""
+    def _heard(self) -> bool:
+        """Whether heartbeats arrived since the last look (read and dropped)."""
+        heard = False
+        while True:
+            try:
+                chunk = os.read(self._beats, 4096)
+            except BlockingIOError:
+                return heard
+            if not chunk:  # the engine's end closed (it exited): its reply stream says how
+                return heard
+            heard = True
+
+    def _state(self) -> str:
+        """What the silent engine's process is doing, from /proc: stopped by a signal, or running without a beat."""
+        try:
+            state = Path(f"/proc/{self.proc.pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        except (OSError, IndexError):
+            return "its state unknown"
+        return "stopped by a signal" if state in ("T", "t") else f"hung: process state {state}"
+
+    def _read_line(self, deadline: float) -> str | object | None:
+        """The next reply line; "" at the end of the stream (the engine exited), None past ``deadline``, ``SILENCE`` where
+        the engine has not beaten for ``SILENT`` seconds."""
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         while b"\n" not in self._buffer:
-            left = deadline - time.monotonic()
+            now = time.monotonic()
+            left = deadline - now
             if left <= 0:
                 return None
-            ready, _, _ = select.select([fd], [], [], min(left, 1.0))
-            if not ready:
+            if now - self._last_beat > SILENT:
+                return SILENCE
+            ready, _, _ = select.select([fd, self._beats], [], [], min(left, 1.0))
+            if self._beats in ready and self._heard():
+                self._last_beat = time.monotonic()
+            if fd not in ready:
                 continue
             chunk = os.read(fd, 1 << 20)
             if not chunk:
@@ -218,6 +265,9 @@ class EngineProcess:
         finally:
             self.weights_file.unlink(missing_ok=True)
             self._log_file.close()
+            if self._beats >= 0:
+                os.close(self._beats)
+                self._beats = -1
 
     def __enter__(self) -> EngineProcess:
         return self

@@ -59,7 +59,7 @@ def run_rollout(cfg: RolloutConfig) -> Dump:
     """Start the engine, generate with log-probs, optionally record module outputs, probe its arithmetic (module docstring)."""
     session = engine_adapter(cfg.engine).start(cfg)
     try:
-        generation = session.generate(SamplingRequest(cfg.prompts, cfg.max_tokens, cfg.temperature, cfg.samples, cfg.prompt_logprobs,
+        generation = session.generate(SamplingRequest(cfg.prompts, cfg.max_tokens, cfg.temperature, cfg.samples, bool(cfg.prompt_logprobs),
                                                       cfg.top_k, cfg.top_p))  # fmt: skip
         module_pass = session.record_modules(generation.sequences, cfg.temperature) if cfg.modules else None
         contract = session.probe(generation, module_pass)

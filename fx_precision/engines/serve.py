@@ -6,6 +6,8 @@ Each request is one line of ``engines/protocol.py`` (start, generate, probe, dum
 reply line of the same schema. A failure is ``{"error": one line}`` and the server goes on. Replies go to the process's
 original stdout; anything else the engine prints goes to stderr (the client's log file), so the protocol stream holds
 replies only. The server dies with its parent (a parent-death signal, set at start): no engine outlives its trainer.
+It beats once a second on a pipe of the client's (``start_heartbeat``): the client tells a stopped or hung engine (no
+beat) from a slow one (beats arriving).
 """
 
 from __future__ import annotations
@@ -109,10 +111,39 @@ def serve(requests: TextIO, replies: TextIO) -> None:
             return
 
 
+HEARTBEAT_FD = "FXP_ENGINE_HEARTBEAT_FD"  # the pipe the client reads this process's heartbeats from (engines/client.py)
+HEARTBEAT_EVERY = 1.0  # seconds between heartbeats
+
+
+def _beat(fd: int) -> None:
+    """A byte on ``fd`` every ``HEARTBEAT_EVERY`` seconds for as long as this process runs: busy in a kernel or a compile,
+    it beats (torch's ops release the GIL); stopped (SIGSTOP) or hung with the GIL held, it does not. A full pipe (a
+    client busy elsewhere) drops beats; a closed one (the client gone) ends the thread."""
+    while True:
+        try:
+            os.write(fd, b".")
+        except BlockingIOError:
+            pass
+        except OSError:
+            return
+        time.sleep(HEARTBEAT_EVERY)
+
+
+def start_heartbeat() -> None:
+    """Beat on the pipe the client passed (``HEARTBEAT_FD``), if it passed one."""
+    import threading
+
+    fd = os.environ.get(HEARTBEAT_FD)
+    if fd and fd.isdigit():
+        os.set_blocking(int(fd), False)
+        threading.Thread(target=_beat, args=(int(fd),), name="fxp-engine-heartbeat", daemon=True).start()
+
+
 def main() -> None:
     from fx_precision.lifetime import die_with_parent
 
     die_with_parent()
+    start_heartbeat()
     replies = os.fdopen(os.dup(1), "w", buffering=1)  # the protocol stream: replies only
     os.dup2(2, 1)  # whatever else is printed (the engine's own output, C code included) goes to the log
     sys.stdout = sys.stderr

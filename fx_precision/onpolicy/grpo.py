@@ -35,9 +35,11 @@ def grpo_token_loss(train: torch.Tensor, rollout: torch.Tensor, advantages: torc
 
 
 def ratio_stats(train: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:
-    """Ratio min / max and the mean k3 KL estimate over the given tokens (module docstring)."""
+    """Ratio min / mean / max, and the mean k1 and k3 estimates of KL(rollout || train), over the given tokens (module
+    docstring; k1: the mean of log p_rollout - log p_train, verl's ``rollout_corr/kl``)."""
     if train.numel() == 0:
-        return {"ratio_min": float("nan"), "ratio_max": float("nan"), "k3_kl": float("nan")}
+        return {name: float("nan") for name in ("ratio_min", "ratio_mean", "ratio_max", "k1_kl", "k3_kl")}
     log_ratio = train.double() - rollout.double()
     ratio = log_ratio.exp()
-    return {"ratio_min": float(ratio.min()), "ratio_max": float(ratio.max()), "k3_kl": float(((ratio - 1) - log_ratio).mean())}
+    return {"ratio_min": float(ratio.min()), "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()),
+            "k1_kl": float(-log_ratio.mean()), "k3_kl": float(((ratio - 1) - log_ratio).mean())}  # fmt: skip

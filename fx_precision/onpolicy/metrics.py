@@ -29,6 +29,11 @@ STANDARD_NAMES: dict[str, str] = {
     "training/rollout_probs_diff_max": "max_prob_delta",  # verl: max |p_train - p_rollout|
     "training/rollout_probs_diff_mean": "mean_prob_delta",  # verl: its mean
     "rollout_corr/k3_kl": "k3_kl",  # verl's rollout correction: the k3 estimate of KL(rollout || train)
+    "sampling/importance_sampling_ratio/min": "ratio_min",  # TRL: p_train / p_rollout over sampled tokens
+    "sampling/importance_sampling_ratio/mean": "ratio_mean",
+    "sampling/importance_sampling_ratio/max": "ratio_max",
+    "training/rollout_probs_diff_std": "std_prob_delta",  # verl: the std of |p_train - p_rollout|
+    "rollout_corr/kl": "k1_kl",  # verl: the k1 estimate of KL(rollout || train), mean of log p_rollout - log p_train
     "train/train_rollout_logprob_abs_diff": "mean_delta",  # slime: mean |log p_train - log p_rollout|
 }
 
@@ -64,6 +69,9 @@ class Certificate:
     k3_kl: float
     non_finite: int  # sampled tokens whose rollout or training log-prob is NaN or Inf (never equal)
     first: FirstMismatch | None = None
+    ratio_mean: float = float("nan")  # of p_train / p_rollout over finite pairs
+    k1_kl: float = float("nan")  # mean of log p_rollout - log p_train
+    std_prob_delta: float = float("nan")  # the std of |p_train - p_rollout| (population)
 
 
 def _bits(x: torch.Tensor) -> torch.Tensor:
@@ -111,7 +119,8 @@ def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, to
         tokens, m_all, m_rec, m_fwd, prompt_tokens, m_prompt,
         0.0 if empty else float(delta.max()), 0.0 if empty else float(delta.mean()),
         0.0 if empty else float(prob_delta.max()), 0.0 if empty else float(prob_delta.mean()),
-        stats["ratio_min"], stats["ratio_max"], stats["k3_kl"], non_finite, first,
+        stats["ratio_min"], stats["ratio_max"], stats["k3_kl"], non_finite, first, stats["ratio_mean"], stats["k1_kl"],
+        0.0 if empty else float(prob_delta.std(unbiased=False)),
     )  # fmt: skip
 
 

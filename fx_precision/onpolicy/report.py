@@ -1,7 +1,7 @@
 """How an on-policy run reads: the per-step table, the summary line, and the plot of reward and mismatch per step.
 
 table(run)            one row per step (tabulate): mismatches of the sampled tokens, max |delta|, ratio min / max,
-                      k3 KL, reward, loss, the time split
+                      k3 KL, reward, loss, the time split; then each step's figures under TRL's, verl's and slime's names
 summary_line(run)     steps without a mismatch, the reward's first and last three steps, the median step time
 plot(runs, file)      a PNG: reward per step (top) and mismatched tokens per step (bottom), one line per run
                       (e.g. --contract vllm beside --contract none); matplotlib, the optional ``plot`` extra
@@ -17,10 +17,15 @@ from fx_precision.onpolicy.metrics import OnPolicyRun
 
 
 def table(run: OnPolicyRun) -> str:
+    """The per-step table, then the same steps under the names RL frameworks log them by (``STANDARD_NAMES``: TRL's,
+    verl's, slime's), so a run reads in a dashboard's terms too."""
     from tabulate import tabulate
 
     rows = [s.row() for s in run.steps]
-    return tabulate(rows, headers="keys", floatfmt=".4g") if rows else "(no step finished)"
+    if not rows:
+        return "(no step finished)"
+    standard = [{"step": s.step, **s.standard()} for s in run.steps]
+    return f"{tabulate(rows, headers='keys', floatfmt='.4g')}\n\n{tabulate(standard, headers='keys', floatfmt='.4g')}"
 
 
 def summary_line(run: OnPolicyRun) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NoReturn
 
 from fx_precision.engines import live_engines
+from fx_precision.engines.adapter import DEFAULT_LAUNCH, LAUNCHES, RolloutConfig
 from fx_precision.engines.vllm.cpu_family import ISA_CHOICES
 from fx_precision.errors import PrecisionError, precision_error_in
 from fx_precision.tools.zoo import MODEL_HELP
@@ -711,26 +712,28 @@ def _start_as_family(isa: str) -> None:
         os.execve(sys.executable, [sys.executable, "-m", "fx_precision", *Parser.argv], {**os.environ, **missing})
 
 
+def rollout_config(args: argparse.Namespace, prompts: tuple[tuple[int, ...], ...]) -> RolloutConfig:
+    """``rollout``'s flags as the engine request the Python API takes: a flag left at its default leaves the field at
+    ``RolloutConfig``'s (``--threads`` and ``--prompt-logprobs`` unset: the launch's own)."""
+    return RolloutConfig(
+        model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
+        samples=args.samples, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, logprobs=args.logprobs,
+        custom_ops=args.custom_ops, threads=args.threads or 0, split_kv=args.split_kv, isa=args.isa, launch=args.launch,
+        prompt_logprobs=args.prompt_logprobs,
+    )  # fmt: skip
+
+
 def cmd_rollout(args: argparse.Namespace) -> int:
     import torch
 
     from fx_precision.contract import EngineContract
     from fx_precision.dump import check_out_path
-    from fx_precision.engines.adapter import RolloutConfig
     from fx_precision.engines.rollout import rollout_prompts, run_rollout
 
     check_out_path(args.out, overwrite=args.overwrite, sources=[args.model])  # before the engine starts
     _start_as_family(args.isa)
     prompts = rollout_prompts(args.model, args.prompts, args.prompt_lens, args.seed, args.max_tokens, args.engine, args.isa)
-    cfg = RolloutConfig(
-        model=args.model, prompts=prompts, engine=args.engine, max_tokens=args.max_tokens, seed=args.seed, modules=args.modules,
-        samples=args.samples, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, logprobs=args.logprobs,
-        custom_ops=args.custom_ops,
-        threads=args.threads or (1 if args.launch == "eager" else os.cpu_count() or 1),
-        split_kv=args.split_kv, isa=args.isa, launch=args.launch,
-        prompt_logprobs=args.prompt_logprobs if args.prompt_logprobs is not None else args.launch == "eager",
-    )  # fmt: skip
-    dump = run_rollout(cfg)
+    dump = run_rollout(rollout_config(args, prompts))
     dump.save(args.out, overwrite=args.overwrite)
     contract = EngineContract.from_dict(dump.contract)
     engine = {k: v for k, v in (dump.engine or {}).items() if k not in ("steps", "logits_calls", "module_steps", "module_logits_calls")}
@@ -806,7 +809,7 @@ def _rollout_parser(sub: Any) -> None:
         "the engine contract follows either (each row's split-KV parts and KV tiles, as the engine's scheduler placed them)",
     )
     p.add_argument(
-        "--launch", choices=["defaults", "eager"], default="defaults",
+        "--launch", choices=list(LAUNCHES), default=DEFAULT_LAUNCH,
         help="how vLLM is launched: defaults (the default, as users launch it: LLM(model, dtype=bfloat16, seed=S), compile "
         "on, prefix caching, chunked prefill, its cores; the contract follows it on a training side compiled by Inductor, "
         "compare --compiled) or eager (diagnosis: enforce_eager, no prefix caching, 1 thread, prompt log-probs). Either way "
@@ -928,15 +931,17 @@ def _onpolicy_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--engine-launch", choices=("eager", "defaults"), default="eager",
-        help="eager: the engine with enforce_eager and prefix caching off (default); defaults: as users launch it (compile on, "
-        "prefix caching, chunked prefill), with --contract none (the contract follows the compiled engine in one process, not "
-        "on the loop's FSDP2 trainer yet); the weight sync resets the prefix cache, so no step reads KV of an older policy",
+        help="eager: the engine with enforce_eager and prefix caching off (default: the loop's diagnostic engine, prompt "
+        "log-probs recorded); defaults: as users launch it (compile on, prefix caching, chunked prefill), which the contract "
+        "follows on the loop's FSDP2 trainer compiled by Inductor (--compiled); the weight sync resets the prefix cache, so "
+        "no step reads KV of an older policy",
     )  # fmt: skip
     p.add_argument(
         "--engine-timeout", type=bounded_float("--engine-timeout", 1.0, 86400.0), default=300.0, metavar="SECONDS",
         help="the base of every engine call's time limit (default 300): probing and recording get 4x, starting 4x and at "
-        "least 600 s, a generation adds 0.05 s per prompt and sampled token; an engine that does not answer in time "
-        "(stalled, stopped) is stopped and the run ends naming the call",
+        "least 600 s, a generation adds 0.05 s per prompt and sampled token; an engine that does not answer in time is "
+        "stopped and the run ends naming the call. A stopped or hung engine (30 s without its heartbeat) is stopped then, "
+        "whatever the limit",
     )  # fmt: skip
     p.add_argument(
         "--modules", action="store_true",

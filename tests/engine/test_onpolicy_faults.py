@@ -3,7 +3,8 @@ starts it (FSDP2 on 2 gloo ranks unless said):
 
     SIGTERM / SIGINT to the parent alone     stops the ranks and the engine in seconds, DIR at the last complete step
     SIGKILL to a rank (also while it saves)  the run ends in one line naming the rank; no half-written step stays
-    SIGSTOP / SIGKILL to the engine          a stalled engine ends the run after its call's time limit, a dead one at once
+    SIGSTOP / SIGKILL to the engine          a stopped engine ends the run after its call's time limit or 30 s without a
+                                             heartbeat (the default limits: within two minutes), a dead one at once
     NaN weights                              refused before anything starts; a rollout of them says so and exits 1
     a live --overwrite                       refused, the live run's DIR untouched
     4 prompts of 600 tokens, 2 and 4 samples the group runs (no per-request seeds: the engine's own generator)
@@ -173,6 +174,21 @@ def test_a_stalled_engine_ends_the_run_after_its_calls_limit(checkpoint: Path, t
     os.kill(engines[0], signal.SIGSTOP)
     code, last = run.finish(limit=180)
     assert code == 2 and "the engine did not answer" in last and "--engine-timeout" in last, last
+    run.assert_whole()
+
+
+def test_an_engine_stopped_after_step_3_ends_the_run_within_two_minutes_at_the_default_limits(checkpoint: Path, tmp_path: Path) -> None:
+    """No --engine-timeout: the engine's heartbeats stop with it, and the client tells that from a slow engine (beats
+    arriving) after 30 s of silence, whatever the call's own limit (minutes at the defaults)."""
+    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none", "--world-size", "1")
+    run.wait_steps(3)
+    engines = run.processes("fx_precision.engines.serve")
+    assert engines
+    stopped = time.monotonic()
+    os.kill(engines[0], signal.SIGSTOP)
+    code, last = run.finish(limit=120)
+    assert time.monotonic() - stopped < 120
+    assert code == 2 and "no heartbeat for 30 s (stopped by a signal)" in last, last
     run.assert_whole()
 
 

@@ -28,7 +28,7 @@ from tests.engine.sglang_writer import SglangStyleDumper
 def test_sglang_dumper_files_read_as_the_vllm_module_pass(tmp_path: Path) -> None:
     checkpoint = write_tiny_checkpoint("qwen3", tmp_path / "ckpt", seed=9)
     prompt = tuple(torch.randint(0, 2048, (37,), generator=torch.Generator().manual_seed(2)).tolist())
-    session = engine_adapter("vllm").start(RolloutConfig(model=str(checkpoint), prompts=(prompt,), threads=1))
+    session = engine_adapter("vllm").start(RolloutConfig(model=str(checkpoint), prompts=(prompt,), launch="eager"))
     writer = SglangStyleDumper(session.model, tmp_path / "sglang")
     try:
         module_pass = session.record_modules([Sequence(prompt, len(prompt))], temperature=1.0)
@@ -52,7 +52,7 @@ def test_sglang_dumper_files_read_as_the_vllm_module_pass(tmp_path: Path) -> Non
 def test_compare_reads_a_directory_of_dumper_files(tmp_path: Path) -> None:
     checkpoint = write_tiny_checkpoint("qwen3", tmp_path / "ckpt", seed=9)
     prompt = tuple(range(5, 40))
-    session = engine_adapter("vllm").start(RolloutConfig(model=str(checkpoint), prompts=(prompt,), threads=1))
+    session = engine_adapter("vllm").start(RolloutConfig(model=str(checkpoint), prompts=(prompt,), launch="eager"))
     for name in ("a", "b"):  # two dumps of one forward: every module equal, no origin
         writer = SglangStyleDumper(session.model, tmp_path / name)
         session.record_modules([Sequence(prompt, len(prompt))], temperature=1.0)

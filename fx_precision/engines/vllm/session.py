@@ -1,8 +1,8 @@
 """A live vLLM (CPU build) in this process: start it, sample with log-probs, record its steps and modules, probe it.
 
-    VllmSession(cfg)                 LLM(...) on the checkpoint (bf16, enforce_eager, no prefix caching, its own
-                                     environment: ENGINE_ENV; --isa loads another kernel build, --split-kv sets
-                                     VLLM_CPU_ATTN_SPLIT_KV, --threads its OpenMP threads)
+    VllmSession(cfg)                 LLM(...) on the checkpoint (bf16; as users launch it, or eager with no prefix
+                                     caching: cfg.launch; its own environment: ENGINE_ENV; --isa loads another kernel
+                                     build, --split-kv sets VLLM_CPU_ATTN_SPLIT_KV, --threads its OpenMP threads)
     ├── generate(request)            prompts x samples in one call: sampled tokens, the log-prob of every prompt
     │                                and sampled token, each forward's rows and each logits call (StepRecorder),
     │                                an MoE model's routed experts per row and layer (RouteRecorder)
@@ -57,7 +57,6 @@ COMPILED_ENGINE = (
     "native fused-add norm, neox rotary and activation run inside its Inductor graph (no custom op of theirs on); roll out with "
     "--launch eager to compare against the eager engine"
 )
-LAUNCHES = ("defaults", "eager")
 ENGINE_ENV = {
     "VLLM_ENABLE_V1_MULTIPROCESSING": "0",  # the engine core in this process: hooks see the model
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
@@ -296,8 +295,6 @@ class VllmSession:
         self.cfg = cfg
         self.config = cc.config
         self.max_len = max_len
-        if cfg.launch not in LAUNCHES:
-            raise PrecisionError(f"--launch {cfg.launch!r}: one of {', '.join(LAUNCHES)}")
         kwargs: dict[str, Any] = dict(
             model=str(cc.file.parent), dtype="bfloat16", skip_tokenizer_init=True, max_model_len=self.max_len, seed=cfg.seed,
             logprobs_mode="processed_logprobs" if cfg.logprobs == "processed" else "raw_logprobs",
