@@ -41,6 +41,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten, tree_map
 
+from fx_precision.bit_equality import bit_equal, same_bits
 from fx_precision.callable_module import make_callable
 from fx_precision.dtypes import dtype_name, parse_dtype
 from fx_precision.dump import Dump, DumpRecorder, Record, Sequence, join_ranks, load_dump
@@ -624,24 +625,6 @@ def logprob_view(dump: Dump) -> LogprobView | None:
     lp = token_logprobs(logits, ids)
     sequences = [Sequence(tuple(int(t) for t in row), len(row)) for row in ids.tolist()]
     return LogprobView(sequences, [row.double() for row in lp], int(logits.shape[-1]), "from the root's logits")
-
-
-_INT_OF = {8: torch.int64, 4: torch.int32, 2: torch.int16, 1: torch.int8}
-
-
-def bit_equal(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """Elementwise: the same bit pattern (one dtype). This project's "bitwise" everywhere: -0.0 is not 0.0, and a NaN
-    equals only the same NaN."""
-    if a.dtype != b.dtype or a.shape != b.shape:
-        raise PrecisionError(f"bit_equal: {a.dtype} {tuple(a.shape)} vs {b.dtype} {tuple(b.shape)}")
-    if not a.is_floating_point():
-        return a == b
-    kind = _INT_OF[a.element_size()]
-    return a.contiguous().view(kind) == b.contiguous().view(kind)
-
-
-def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return a.dtype == b.dtype and a.shape == b.shape and bool(bit_equal(a, b).all())
 
 
 def _stats(a: torch.Tensor, b: torch.Tensor) -> dict[str, float | None]:

@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from fx_precision.bit_equality import bit_equal
+
 # the names RL frameworks log a trainer-vs-rollout quantity under -> this project's field
 STANDARD_NAMES: dict[str, str] = {
     "sampling/sampling_logp_difference/max": "max_delta",  # TRL (GRPO with vLLM): max |log p_train - log p_rollout|
@@ -74,10 +76,6 @@ class Certificate:
     std_prob_delta: float = float("nan")  # the std of |p_train - p_rollout| (population)
 
 
-def _bits(x: torch.Tensor) -> torch.Tensor:
-    return x.contiguous().view(torch.int32)
-
-
 def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, torch.Tensor], prompt_recorded: bool = True) -> Certificate:
     """Bit patterns of the sampled tokens' log-probs: rollout vs recompute vs the first training forward (``data``: the
     step's sequences and the engine's log-probs); prompt tokens (rollout vs recompute) counted apart, where the engine
@@ -93,8 +91,8 @@ def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, to
         rec, fwd = recompute[i][:n], forward[i][:n]
         sampled = slice(s.prompt_len - 1, n)
         e, r, f = engine[sampled], rec[sampled], fwd[sampled]
-        bad_rec = _bits(e) != _bits(r)
-        bad_fwd = _bits(r) != _bits(f)
+        bad_rec = ~bit_equal(e, r)
+        bad_fwd = ~bit_equal(r, f)
         finite = torch.isfinite(e) & torch.isfinite(r) & torch.isfinite(f)
         bad = bad_rec | bad_fwd | ~finite  # a NaN is never equal, whatever its bits
         tokens += int(e.numel())
@@ -107,7 +105,7 @@ def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, to
             first = FirstMismatch(i, s.prompt_len + t, int(s.tokens[s.prompt_len + t]), float(e[t]), float(r[t]), float(f[t]))
         pe, pr = (engine[: s.prompt_len - 1], rec[: s.prompt_len - 1]) if prompt_recorded else (engine[:0], rec[:0])
         prompt_tokens += int(pe.numel())
-        m_prompt += int(((_bits(pe) != _bits(pr)) | ~(torch.isfinite(pe) & torch.isfinite(pr))).sum())
+        m_prompt += int((~bit_equal(pe, pr) | ~(torch.isfinite(pe) & torch.isfinite(pr))).sum())
         train_all.append(f[finite])
         roll_all.append(e[finite])
     train, roll = (torch.cat(train_all), torch.cat(roll_all)) if train_all else (torch.empty(0), torch.empty(0))
