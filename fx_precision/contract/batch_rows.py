@@ -211,20 +211,25 @@ def gdn_pieces_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], 
     a one-row request with a state went through the decode kernel (``GDN_DECODE``); a row no request computed
     ``GDN_NONE``. vLLM splits a step's requests so (gdn_attn.py: decode threshold 1, a first chunk is a prefill)."""
     requests = step_requests(sequences, steps)
+    return [tuple(GDN_NONE if at is None else GDN_DECODE if at[2] == 1 and at[3] > 1 else at[3] - at[2] for at in rows)
+            for rows in _rows_requests(claims, requests)]  # fmt: skip
+
+
+def _rows_requests(claims: Claims, requests: list[list[tuple[int, int]]]) -> list[list[tuple[int, int, int, int] | None]]:
+    """Per sequence, per row: (engine step, request index in it, its query rows, its keys) of the request that computed
+    the row (``claims``: the sequence's own, or a prefix-cache hit's source), None where no step computed it."""
     out = []
     for i, found in enumerate(claims.steps):
-        codes: list[int] = []
+        rows: list[tuple[int, int, int, int] | None] = []
         for r, step in enumerate(found):
             if step is None:
-                codes.append(GDN_NONE)
+                rows.append(None)
                 continue
             index = claims.requests[claims.sources[i][r]].get(step)
             if index is None:
                 raise PrecisionError(f"engine rows: row {r} of a sequence is in no request of engine step {step}; roll out again")
-            q, keys = requests[step][index]
-            start = keys - q
-            codes.append(GDN_DECODE if q == 1 and start > 0 else start)
-        out.append(tuple(codes))
+            rows.append((step, index, *requests[step][index]))
+        out.append(rows)
     return out
 
 
@@ -264,20 +269,8 @@ def kv_tiles_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], cl
     computed a row."""
     requests = step_requests(sequences, steps)
     per_step = [tiling.query_row_tiles(r) for r in requests]
-    out = []
-    for i, found in enumerate(claims.steps):
-        tiles: list[RowTiles] = []
-        for r, step in enumerate(found):
-            if step is None:
-                tiles.append(ONE_TILE)
-                continue
-            index = claims.requests[claims.sources[i][r]].get(step)
-            if index is None:
-                raise PrecisionError(f"engine rows: row {r} of a sequence is in no request of engine step {step}; roll out again")
-            q, keys = requests[step][index]
-            tiles.append(per_step[step][index][r - (keys - q)])
-        out.append(tuple(tiles))
-    return out
+    return [tuple(ONE_TILE if at is None else per_step[at[0]][at[1]][r - (at[3] - at[2])] for r, at in enumerate(rows))
+            for rows in _rows_requests(claims, requests)]  # fmt: skip
 
 
 @dataclass(frozen=True)
