@@ -747,7 +747,7 @@ def test_training_under_the_contract_on_two_gloo_ranks() -> None:
     # layers, so the fused add + norm is kept across the break (the sum leaving one graph, taken by the next one's norm)
     # eager math: the layer graph's 4 norms' means and silu, the final norm's, the rotary table's cos and sin
     rewrites = {"engine-gdn": 0, "engine-moe": 0, "fused-add-norm": 4, "engine-rotary": 2, "engine-attention": 1, "engine-linears": 8,
-                "engine-eager-math": 8, "engine-coverage": 0}  # fmt: skip
+                "engine-eager-math": 8, "engine-logits": 0, "engine-coverage": 0}  # fmt: skip
     assert under["rewrites"] == rewrites, under
     assert under["losses"][-1] < under["losses"][0], under["losses"]
     assert set(under["master_dtypes"].values()) == {torch.float32} and set(under["grad_dtypes"].values()) == {torch.float32}

@@ -21,6 +21,8 @@
     ├── gdn         GdnForm (contract/gdn.py): how the engine computes its GatedDeltaNet layers (its kernel build, the
     │               SSM state's dtype, eps); the split of each sequence into prefilled pieces and decoded tokens is the
     │               dump's (batch_rows.gdn_pieces_of); None for a model without them, or unmatched says why
+    ├── logits      LogitsForm (contract/logits.py): what the engine does to its logits after the GEMM (soft cap,
+    │               scale: Granite's 1 / logits_scaling, one rounding of x * scale); None: not recorded
     ├── logprobs    LogprobForm: raw (fp32 log_softmax of the bf16 logits) | processed (of the logits / T, renormalised
     │               over what the request's top-k and top-p keep: logprobs.py)
     └── unmatched   the op classes the probes could not match, each with why: their value is None, and the
@@ -45,6 +47,7 @@ from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, 
 from fx_precision.contract.gdn_form import GdnForm
 from fx_precision.contract.inductor_norms import NormReduction
 from fx_precision.contract.linear_order import LinearOrders
+from fx_precision.contract.logits import LogitsForm
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
 from fx_precision.errors import PrecisionError
@@ -141,7 +144,7 @@ class RotaryOp:
 _FIELDS = ("engine", "version", "norm", "rotary", "attention", "linears", "logprobs", "eager_math", "unmatched", "evidence")
 # written by later versions only: a contract without kv_tiling takes one KV tile per row, one without moe read no experts,
 # one without inductor is of the eager engine
-_OPTIONAL = ("kv_tiling", "moe", "inductor", "norm_reductions", "gdn")
+_OPTIONAL = ("kv_tiling", "moe", "inductor", "norm_reductions", "gdn", "logits")
 
 
 @dataclass(frozen=True)
@@ -164,6 +167,7 @@ class EngineContract:
     inductor: str | None = None  # the compiled engine's Inductor (contract/inductor_build.py; None: the eager engine)
     norm_reductions: tuple[NormReduction, ...] | None = None  # the compiled engine's norms' sums, in call order (inductor_norms.py)
     gdn: GdnForm | None = None  # the engine's GatedDeltaNet layers (None: none in the model, or unmatched says why)
+    logits: LogitsForm | None = None  # what the engine does to its logits after the GEMM (None: not recorded, an older rollout)
 
     def __post_init__(self) -> None:
         if not isinstance(self.engine, str) or not self.engine:
@@ -192,6 +196,8 @@ class EngineContract:
             raise PrecisionError(f"EngineContract.moe: a MoeKernel or None, got {type(self.moe).__name__}")
         if self.inductor is not None and (not isinstance(self.inductor, str) or not self.inductor):
             raise PrecisionError(f"EngineContract.inductor={self.inductor!r}: the compiled engine's Inductor build (a string) or null")
+        if self.logits is not None and not isinstance(self.logits, LogitsForm):
+            raise PrecisionError(f"EngineContract.logits: a LogitsForm or None, got {type(self.logits).__name__}")
         if self.gdn is not None and not isinstance(self.gdn, GdnForm):
             raise PrecisionError(f"EngineContract.gdn: a GdnForm or None, got {type(self.gdn).__name__}")
         if self.norm_reductions is not None:
@@ -230,6 +236,7 @@ class EngineContract:
             *([f"eager math at {self.eager_math}"] if self.eager_math else []),
             *([f"experts {self.moe.describe()}"] if self.moe is not None else []),
             *([f"GatedDeltaNet {self.gdn.describe()}"] if self.gdn is not None else []),
+            *([f"logits {self.logits.describe()}"] if self.logits is not None and self.logits != LogitsForm() else []),
             f"log-probs {self.logprobs or 'unmatched'}",
         ]
         return f"{self.engine} {self.version or ''}: " + "; ".join(parts)
@@ -251,6 +258,7 @@ class EngineContract:
             "inductor": self.inductor,
             "norm_reductions": [r.to_dict() for r in self.norm_reductions] if self.norm_reductions is not None else None,
             "gdn": self.gdn.to_dict() if self.gdn is not None else None,
+            "logits": self.logits.to_dict() if self.logits is not None else None,
         }
 
     @classmethod
@@ -278,6 +286,7 @@ class EngineContract:
                 inductor=data.get("inductor"),
                 norm_reductions=_norm_reductions(data.get("norm_reductions")),
                 gdn=GdnForm.from_dict(data["gdn"]) if data.get("gdn") is not None else None,
+                logits=LogitsForm.from_dict(data["logits"]) if data.get("logits") is not None else None,
             )
         except PrecisionError as exc:
             raise PrecisionError(str(exc).replace("EngineContract.", "contract.")) from None

@@ -9,7 +9,9 @@ Everything vLLM-specific a probe needs, handed to the engine-agnostic matching (
     probe_moe(runner, config)   an MoE layer's router and fused experts against the contract's, bit for bit
     repack_experts(model)       MoE experts packed again after an in-place weight reload
     linear_calls(model, ...)    the first layer's linears (``quant_method`` modules) and the output projection
-                                (through ``logits_processor``), each with the checkpoint's weight
+                                (the logits processor's GEMM, before its soft cap and scale), each with the
+                                checkpoint's weight
+    logits_processing(model)    what the logits processor does after its GEMM: (scale, soft cap)
     checkpoint_weights(dir)     a vLLM linear's weight from the checkpoint it loaded (fused qkv / gate_up
                                 rebuilt from their parts, or read as stored where the checkpoint holds them fused)
 """
@@ -87,9 +89,21 @@ def _linear_calls(model: Any) -> dict[str, tuple[Any, int]]:
             kinds.add(kind)
             calls[name] = ((lambda x, m=module: m(x)[0]), size)
     head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
-    if head is not None and processor is not None:
-        calls["lm_head"] = ((lambda x: processor(head, x)), int(getattr(head, "embedding_dim", 0) or head.weight.shape[-1]))
+    if head is not None and processor is not None:  # the GEMM alone: what follows it (logits_processing) is its own op
+        gemm = getattr(processor, "_get_logits", None)
+        call = (lambda x: gemm(x, head, None)) if gemm is not None else (lambda x: processor(head, x))
+        calls["lm_head"] = (call, int(getattr(head, "embedding_dim", 0) or head.weight.shape[-1]))
     return calls
+
+
+def logits_processing(model: Any) -> tuple[float, float | None]:
+    """(scale, soft cap) of vLLM's logits processor, applied after its GEMM: ``logits = tanh(logits / cap) * cap``, then
+    ``logits *= scale`` (Granite: 1 / logits_scaling), both in the logits' dtype. (1.0, None): neither."""
+    processor = getattr(model, "logits_processor", None)
+    if processor is None:
+        return 1.0, None
+    cap = getattr(processor, "soft_cap", None)
+    return float(getattr(processor, "scale", 1.0)), (float(cap) if cap is not None else None)
 
 
 def checkpoint_weights(directory: str) -> Any:
@@ -130,16 +144,31 @@ def linear_calls(model: Any, directory: str) -> dict[str, tuple[Any, torch.Tenso
     return out
 
 
+_NORM_CALL = re.compile(r"self\.post_attention_layernorm\(([^()]*)\)")
+
+
 def fused_norm(model: Any) -> tuple[Any, str]:
     """The first post-attention norm and how it can be probed: "fused" (it takes the residual: vLLM's fused add +
-    norm), "model" (the engine's Transformers backend runs the model's own norm), "no residual", "none"."""
-    norm = next((m for n, m in model.named_modules() if n.endswith("post_attention_layernorm")), None)
-    if norm is None:
+    norm), "model" (the engine's Transformers backend runs the model's own norm), "no residual" (the norm takes none, or
+    the decoder layer's code calls it without one and adds its residual itself: Granite's scaled residual), "none".
+    Read off the engine's code, not its calls: module hooks never run inside the compiled engine's graph."""
+    found = next(((n, m) for n, m in model.named_modules() if n.endswith("post_attention_layernorm")), None)
+    if found is None:
         return None, "none"
+    name, norm = found
     if type(norm).__module__.startswith("transformers."):
         return norm, "model"
     takes = inspect.signature(getattr(norm, "forward_native", norm.forward)).parameters
-    return norm, ("fused" if len(takes) >= 2 else "no residual")
+    if len(takes) < 2:
+        return norm, "no residual"
+    layer = model.get_submodule(name.rpartition(".")[0]) if "." in name else model
+    try:
+        calls = _NORM_CALL.findall(inspect.getsource(type(layer).forward))
+    except (OSError, TypeError):  # no source to read: the norm's signature decides, as before
+        calls = []
+    if calls and not any("residual" in args for args in calls):
+        return norm, "no residual"
+    return norm, "fused"
 
 
 def _experts_impl(runner: Any) -> Any:

@@ -33,6 +33,7 @@ from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence,
 from fx_precision.contract.inductor_build import inductor_build
 from fx_precision.contract.inductor_norms import NormReduction, engine_norm_reductions
 from fx_precision.contract.linear_order import LinearOrders
+from fx_precision.contract.logits import LogitsForm
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.probing import (
     check_attention_calls,
@@ -49,7 +50,15 @@ from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, 
 from fx_precision.engines.vllm.cpu_family import FamilySettings, cpu_flags, family_settings, native_family
 from fx_precision.engines.vllm.gdn_probe import probe_gdn
 from fx_precision.engines.vllm.modules import ModuleRecorder
-from fx_precision.engines.vllm.probes import engine_attention_batch, first_module, fused_norm, linear_calls, probe_moe, repack_experts
+from fx_precision.engines.vllm.probes import (
+    engine_attention_batch,
+    first_module,
+    fused_norm,
+    linear_calls,
+    logits_processing,
+    probe_moe,
+    repack_experts,
+)
 from fx_precision.errors import PrecisionError
 
 COMPILED_ENGINE = (
@@ -92,6 +101,15 @@ def refuse_unimportable(config: Any) -> None:
             "none (the package registry's torchvision wheels are CUDA builds): roll out a Qwen3-Next checkpoint (vLLM runs "
             "Qwen3.5's GatedDeltaNet layer as Qwen3-Next's), or install a CPU torchvision matching this torch"
         )
+
+
+def _attention_block_size(attn: Any, configured: int) -> int:
+    """The tokens per block of the attention layer's own KV cache ([blocks, KV heads, block, 2 x head_dim]): a hybrid
+    model's attention blocks are sized to its Mamba/GDN state pages, not the cache config's block size (vLLM at
+    max_model_len 33 without prefix caching: 33 in the config, 256 in the cache); the config's where none is allocated."""
+    cache = getattr(attn, "kv_cache", None)
+    cache = cache[0] if isinstance(cache, (list, tuple)) and cache else cache
+    return int(cache.shape[2]) if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.numel() else configured
 
 
 def engine_max_len(config: Any) -> int:
@@ -333,7 +351,7 @@ class VllmSession:
             "aten_capability": torch.backends.cpu.get_cpu_capability(),
             "cpu_flags": sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
             "threads": torch.get_num_threads(),
-            "block_size": int(self.llm.llm_engine.vllm_config.cache_config.block_size),
+            "block_size": _attention_block_size(attn, int(self.llm.llm_engine.vllm_config.cache_config.block_size)),
             "l2_cache_bytes": int(torch.cpu.get_capabilities().get("l2_cache_size") or 0) or None,  # the attention tiles from it
             "head_dim": _head_dim(self.config),
             "attention_window": int(getattr(attn.impl, "sliding_window", -1) or -1) if attn is not None else -1,  # -1: none
@@ -472,7 +490,7 @@ class VllmSession:
                               self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe,
                               self.info["inductor"] if self.compiled else None,
                               tuple(NormReduction.from_dict(r) for r in reductions) if self.compiled and reductions else None,
-                              gdn)  # fmt: skip
+                              gdn, LogitsForm(*logits_processing(self.model)))  # fmt: skip
 
     def _norm_reductions(self) -> dict[str, Any]:
         """The compiled engine's norm reductions, read off the output code Inductor wrote for it (its compile cache:
@@ -518,7 +536,9 @@ class VllmSession:
             rotary, rotary_found = RotaryOp(RotaryForm.INDUCTOR, None), CandidateEvidence(kept="inductor", details=details)
         if self._probed[OpClass.NORM][0] not in (NormForm.FUSED_ADD, NormForm.INDUCTOR):  # the model adds its residual itself
             # (INDUCTOR: this engine's forms read at an earlier probe, the on-policy loop's every step)
-            why = f"{COMPILED_ENGINE}: the model's norms are not vLLM's fused add and norm"
+            why = ("the compiled engine (--launch defaults): the model adds its residual itself, not through vLLM's fused add and "
+                   "norm (Granite's residual + h * residual_multiplier), so its bf16 stream is rounded only where Inductor stores "
+                   "it, which the contract does not follow; roll out with --launch eager, which it does")  # fmt: skip
             return {OpClass.NORM: (None, CandidateEvidence(why=why, details=details)), OpClass.ROTARY: (rotary, rotary_found)}
         return {
             OpClass.NORM: (NormForm.INDUCTOR, CandidateEvidence(kept=str(NormForm.INDUCTOR), details=details)),

@@ -8,6 +8,8 @@ not follow. A contract silently broken there would only show after a rollout, so
     a causal convolution           conv1d (a linear-attention layer: GatedDeltaNet)
     an unfollowed rotary           a negation multiplied after a stack / cat, or x1*c - x2*s written out (interleaved
                                    pairs, MLA), where the contract's rotary is the kernel's
+    unrecorded logits scaling      x / c or x * c on the logits where the rollout recorded no logits processing
+                                   (the logits rewrite's mark: an older rollout)
 
 ``unfollowed(gm, contract)`` returns the findings; ``passes/rewrites/engine`` runs it last and raises them.
 """
@@ -26,6 +28,8 @@ from fx_precision.passes.graph.kinds import FindingKind, Severity
 from fx_precision.passes.graph.linear_forms import transposed_weight, weight_like
 from fx_precision.passes.graph.nodes import ENGINE_MADE, is_call, module_path, source_line
 from fx_precision.passes.rules.findings import CODES, Finding
+
+UNRECORDED_SCALE = "fxp_logits_unrecorded"  # set by passes/rewrites/engine/logits.py on a scaling it could not follow
 
 MUL = {operator.mul, torch.mul}
 
@@ -116,4 +120,7 @@ def unfollowed(gm: fx.GraphModule, contract: EngineContract) -> list[Finding]:
             found.append(_finding(node, "a causal convolution (a linear-attention layer): the engine's kernel is not followed"))
         elif kernel_rotary and ENGINE_MADE not in node.meta and _rotation_left(node):
             found.append(_finding(node, "a rotary the contract does not follow (interleaved pairs, or rotated in fp32)"))
+        elif UNRECORDED_SCALE in node.meta:
+            found.append(_finding(node, f"logits scaled by {node.meta[UNRECORDED_SCALE]!r}, and the rollout recorded no logits processing "
+                                        "(contract.logits): roll out again with fx-precision rollout of this version"))  # fmt: skip
     return found

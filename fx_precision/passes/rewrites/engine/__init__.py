@@ -15,7 +15,9 @@ op class, found by what the ops do, never by module names (every architecture wi
     4              attention     the attention op        attention                            attention.engine_attention
     5              linears       each linear call        linear                               linears.engine_linears
     6              eager-math    (always)                eager_math, eager_layer_norm         eager_math.engine_eager_math
-    7              logprobs      the sampler             (the training side's log_softmax)    (none: not a graph op)
+    7              logprobs      the logits processor,   logits_scale (contract/logits.py)    logits.engine_logits (the
+                                 the sampler                                                  scale; the log_softmax is
+                                                                                              the training side's)
     then           coverage      FXP301 findings (passes/rules/engine_coverage.py): what is left unfollowed
 
 Each rewrite takes the contract and refuses a graph with its pattern where the probe matched nothing
@@ -40,6 +42,7 @@ from fx_precision.passes.rewrites.engine.common import EngineRewrite, RewriteFn
 from fx_precision.passes.rewrites.engine.eager_math import engine_eager_math
 from fx_precision.passes.rewrites.engine.gdn import engine_gdn
 from fx_precision.passes.rewrites.engine.linears import engine_linears
+from fx_precision.passes.rewrites.engine.logits import engine_logits
 from fx_precision.passes.rewrites.engine.moe import engine_moe
 from fx_precision.passes.rewrites.engine.norm import fuse_add_norm
 from fx_precision.passes.rewrites.engine.rotary import engine_rotary
@@ -64,7 +67,7 @@ OP_CLASSES: tuple[OpClassPass, ...] = (
     OpClassPass(OpClass.ATTENTION, ("attention",), engine_attention, "engine-attention"),
     OpClassPass(OpClass.LINEARS, ("linear",), engine_linears, "engine-linears"),
     OpClassPass(OpClass.EAGER_MATH, ("eager_math", "eager_layer_norm"), engine_eager_math, "engine-eager-math"),
-    OpClassPass(OpClass.LOGPROBS, (), None, "logprobs"),
+    OpClassPass(OpClass.LOGPROBS, ("logits_scale",), engine_logits, "engine-logits"),
 )
 
 
