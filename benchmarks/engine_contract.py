@@ -128,9 +128,10 @@ def step_times(checkpoint: Path, dump_dir: Path | None, steps: int) -> dict[str,
     contract = contract_of_dump(dump)
     length = min(len(s.tokens) for s in dump.sequences)
     ids = torch.tensor([list(s.tokens[:length]) for s in dump.sequences])
-    plans = row_plans(dump.sequences, dump.engine or {}, tiling=contract.kv_tiling)
-    rows = EngineRows.of([type(p)(p.body[:length], p.logits[: length - 1], p.kv_tiles[:length] if p.kv_tiles else None) for p in plans],
-                         contract.linears)  # fmt: skip
+    plans = row_plans(dump.sequences, dump.engine or {}, tiling=contract.kv_tiling, gdn=contract.gdn is not None)
+    cut = [type(p)(p.body[:length], p.logits[: length - 1], p.kv_tiles[:length] if p.kv_tiles else None, p.gdn[:length] if p.gdn else None)
+           for p in plans]  # fmt: skip
+    rows = EngineRows.of(cut, contract.linears)
     out: dict[str, Any] = {"batch": list(ids.shape)}
     for name, kept in (("plain", None), ("contract", contract)):
         torch.manual_seed(0)

@@ -16,6 +16,7 @@ Run from the main environment (the engine environment from ``python -m fx_precis
 
     python benchmarks/engine_defaults.py --engine-python .venv-engine/bin/python \\
         [--archs qwen3,llama,qwen2] [--shapes qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b] [--layers 2] [--step qwen3-0.6b]
+        [--experts N] (an MoE shape cut to N experts per layer: qwen3-next-80b-a3b's 512 do not fit 24 GiB)
         (each compare runs in this process: the published shapes' long prompts want the machine's memory to themselves)
         [--onpolicy-steps 8] [--samples 4] [--temperature 1.0] [--json FILE]
 
@@ -36,7 +37,7 @@ from engine_contract import CONFIGS, compare, step_times  # benchmarks/engine_co
 from provenance import provenance  # benchmarks/provenance.py
 from tabulate import tabulate
 
-from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
+from fx_precision.tools.checkpoint import EXPERT_COUNTS, write_shaped_checkpoint, write_tiny_checkpoint
 
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("as-is eager", ()),
@@ -77,12 +78,24 @@ def measure(name: str, checkpoint: Path, root: Path, args: argparse.Namespace, p
     return rows
 
 
+def cut_experts(name: str, args: argparse.Namespace) -> int | None:
+    """``--experts`` where the published shape NAME is an MoE one (its config names an expert count), else None."""
+    config = json.loads((CONFIGS / name / "config.json").read_text())
+    return args.experts if any(key in config for key in EXPERT_COUNTS) else None
+
+
+def shaped(name: str, out: Path, layers: int, args: argparse.Namespace) -> Path:
+    """A published shape (tests/configs/NAME) at ``layers`` layers, an MoE one cut to ``--experts`` experts per layer."""
+    return write_shaped_checkpoint(CONFIGS / name / "config.json", out, layers=layers, seed=args.seed, overwrite=True,
+                                   experts=cut_experts(name, args))  # fmt: skip
+
+
 def measure_step(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
-    checkpoint = write_shaped_checkpoint(CONFIGS / name / "config.json", root / f"step-{name}", layers=args.step_layers, seed=args.seed,
-                                         overwrite=True)  # fmt: skip
+    checkpoint = shaped(name, root / f"step-{name}", args.step_layers, args)
     dump = root / f"step-dump-{name}"
     engine = rollout_at_defaults(args.engine_python, checkpoint, dump, args, "256,256", 1, 256)
-    row = {"checkpoint": f"{name} ({args.step_layers} layers)", "row": "step time", **engine}
+    cut = f", {experts} experts" if (experts := cut_experts(name, args)) else ""
+    row = {"checkpoint": f"{name} ({args.step_layers} layers{cut})", "row": "step time", **engine}
     if "error" in engine:
         return row
     return {**row, **step_times(checkpoint, dump, args.steps)}
@@ -134,6 +147,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--layers", type=int, default=2, help="decoder layers of the published shapes")
     parser.add_argument("--step", default="qwen3-0.6b", help="the published shape of the step time ('' for none)")
     parser.add_argument("--step-layers", type=int, default=3)
+    parser.add_argument("--experts", type=int, help="an MoE shape's experts per layer to keep (each as published; 24 GiB holds few)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after two warm-up steps)")
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
@@ -151,9 +165,9 @@ def main(argv: list[str] | None = None) -> int:
             checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=args.seed, overwrite=True)
             rows += measure(f"tiny {arch}", checkpoint, root, args, args.arch_prompt_lens)
         for shape in filter(None, args.shapes.split(",")):
-            checkpoint = write_shaped_checkpoint(CONFIGS / shape / "config.json", root / f"ckpt-{shape}", layers=args.layers,
-                                                 seed=args.seed, overwrite=True)  # fmt: skip
-            rows += measure(f"{shape} ({args.layers} layers)", checkpoint, root, args, args.shape_prompt_lens)
+            checkpoint = shaped(shape, root / f"ckpt-{shape}", args.layers, args)
+            cut = f", {experts} experts" if (experts := cut_experts(shape, args)) else ""
+            rows += measure(f"{shape} ({args.layers} layers{cut})", checkpoint, root, args, args.shape_prompt_lens)
         if args.step:
             rows.append(measure_step(args.step, root, args))
         if args.onpolicy_steps:

@@ -12,7 +12,8 @@
 Run from the main environment (the engine environment from ``python -m fx_precision.tools.engine_env``):
 
     python benchmarks/onpolicy.py --engine-python .venv-engine/bin/python [--arch qwen3] [--steps 10]
-        [--temperature 1.0] [--json benchmarks/results/onpolicy-cpu.json] [--plot benchmarks/results/onpolicy-cpu.png]
+        [--temperature 1.0] [--engine-launch defaults|eager] [--json benchmarks/results/onpolicy-cpu.json]
+        [--plot benchmarks/results/onpolicy-cpu.png]
 
 Prints a table of both runs; JSON with the machine, the versions and the command.
 """
@@ -73,6 +74,8 @@ def main() -> None:
     parser.add_argument("--prompt-lens", default="8,12,16,24")
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--world-size", type=int, default=2)
+    parser.add_argument("--engine-launch", choices=("defaults", "eager"), default="defaults",
+                        help="the engine as users launch it (default, as the loop's), or the diagnostic eager engine")  # fmt: skip
     parser.add_argument("--json", help="write the measurement here")
     parser.add_argument("--plot", help="write reward and mismatch per step of both runs here (PNG)")
     args = parser.parse_args()
@@ -90,7 +93,7 @@ def main() -> None:
                 checkpoint=str(checkpoint), out=str(root / f"run-{name}"), steps=args.steps,
                 prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")), samples=args.samples, max_tokens=args.max_tokens,
                 temperature=args.temperature, world_size=args.world_size, compiled=True, contract="none" if name == "replayed" else name,
-                mode="audit", engine_python=args.engine_python, replay_routes=name == "replayed",
+                mode="audit", engine_python=args.engine_python, replay_routes=name == "replayed", engine_launch=args.engine_launch,
             )  # fmt: skip
             runs[name] = run_onpolicy(cfg)
             print(summary_line(runs[name]), flush=True)

@@ -10,7 +10,7 @@ if [ "$device" = cpu ]; then
   fx-precision sweep --json benchmarks/results/sweep-cpu.json
   python benchmarks/plan_scaling.py --json benchmarks/results/plan-scaling-cpu.json
   if [ -x .venv-engine/bin/python ]; then  # against the live engine (python -m fx_precision.tools.engine_env .venv-engine)
-    python benchmarks/onpolicy.py --engine-python .venv-engine/bin/python --steps 10 \
+    python benchmarks/onpolicy.py --engine-python .venv-engine/bin/python --steps 10 --engine-launch eager \
       --json benchmarks/results/onpolicy-cpu.json --plot benchmarks/results/onpolicy-cpu.png
     python benchmarks/engine_contract.py --engine-python .venv-engine/bin/python \
       --archs qwen3,llama,qwen2,mistral,gemma,granite,phi3 --full qwen3,llama --threads 1,2 --split-kv off \

@@ -293,3 +293,21 @@ def test_the_cli_and_the_python_api_launch_one_engine_by_default() -> None:
     assert (eager.threads, eager.prompt_logprobs) == (1, True)
     with pytest.raises(PrecisionError, match=r"--launch 'fast': one of defaults, eager"):
         RolloutConfig(model="ckpt", prompts=prompts, launch="fast")
+
+
+def test_the_onpolicy_cli_and_its_python_api_run_one_loop_by_default() -> None:
+    """``fx-precision onpolicy`` with no flags and ``OnPolicyConfig`` with no fields run the same loop: the engine at its
+    defaults (the launch's own threads and split-KV), the trainer compiled by Inductor; asked for the diagnostic engine,
+    both give it."""
+    from fx_precision.onpolicy import OnPolicyConfig
+    from fx_precision.tools.cli import build_parser, onpolicy_config
+
+    eager = {"engine_launch": "eager"}
+    cases = (([], {}), (["--engine-launch", "eager"], eager), (["--no-compiled", "--engine-launch", "eager"], {**eager, "compiled": False}))
+    for flags, fields in cases:
+        args = build_parser().parse_args(["onpolicy", "--model", "ckpt", "--out", "run", *flags])
+        assert onpolicy_config(args) == OnPolicyConfig(checkpoint="ckpt", out="run", **fields), flags
+    api = OnPolicyConfig(checkpoint="ckpt", out="run")
+    assert (api.engine_launch, api.compiled, api.engine_threads) == ("defaults", True, 0)
+    with pytest.raises(PrecisionError, match=r"--engine-launch defaults with --contract vllm: .* drop --no-compiled"):
+        OnPolicyConfig(checkpoint="ckpt", out="run", compiled=False)

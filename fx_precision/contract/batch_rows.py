@@ -164,10 +164,11 @@ def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str 
 
 
 def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: bool = True,
-              tiling: KvTiling | None = None) -> list[RowPlan]:  # fmt: skip
+              tiling: KvTiling | None = None, gdn: bool = False) -> list[RowPlan]:  # fmt: skip
     """The row plan of every sequence (module docstring), after the recorded logits calls are checked against it
     (``with_logits=False``: the body's rows only, the logits plan left at 0); ``tiling``: each row's KV tiles too,
-    as the engine's attention placed them in the step that computed the row."""
+    as the engine's attention placed them in the step that computed the row; ``gdn`` (the contract follows
+    GatedDeltaNet layers: ``EngineContract.gdn``): how those layers computed each row, its piece or a decode."""
     steps = _steps(engine)
     claims = _claimed(sequences, steps)
     step_of, fed_steps = claims.steps, claims.fed
@@ -195,7 +196,7 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
     if tiling is not None:
         tiles = kv_tiles_of(sequences, steps, claims, tiling)
         plans = [RowPlan(p.body, p.logits, t) for p, t in zip(plans, tiles, strict=True)]
-    if engine.get("gdn"):
+    if gdn:
         pieces = gdn_pieces_of(sequences, steps, claims)
         plans = [RowPlan(p.body, p.logits, p.kv_tiles, g) for p, g in zip(plans, pieces, strict=True)]
     return plans

@@ -14,6 +14,14 @@ HEAD_DIMS = (64, 128)  # what the engine's chunk kernel takes (it refuses 32)
 STATE_DTYPES = ("bf16", "fp32")
 
 
+def gdn_layer_count(config: Any) -> int:
+    """The GatedDeltaNet ("linear_attention") layers a transformers config names (its text config's, for a
+    vision-language one): 0 for a model without them."""
+    text = getattr(config, "text_config", None) or config
+    types = getattr(text, "layer_types", None)
+    return sum(1 for t in types if t == "linear_attention") if isinstance(types, (list, tuple)) else 0
+
+
 @dataclass(frozen=True)
 class GdnForm:
     """How the engine computes its GatedDeltaNet layers: the kernel build (``PORTABLE``), the SSM state cache's dtype

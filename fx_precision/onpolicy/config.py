@@ -36,8 +36,9 @@ class OnPolicyConfig:
     task: TargetTokens = field(default_factory=TargetTokens)
     engine: str = "vllm"
     engine_python: str | None = None
-    engine_threads: int = 1
-    engine_launch: str = "eager"  # "defaults": the engine as users launch it (compiled; the contract follows it compiled)
+    engine_threads: int = 0  # the engine's OpenMP threads; 0: the launch's own (1 eager, the machine's cores at the defaults)
+    engine_launch: str = "defaults"  # the engine as users launch it (compiled; the contract follows it compiled); "eager":
+    # the diagnostic engine (enforce_eager, no prefix caching, one thread, prompt log-probs)
     engine_timeout: float = 300.0  # seconds: the base of every engine call's limit (engines/client.EngineTimeouts)
     replay_routes: bool = False  # an MoE model: the trainer routes every token to the engine's experts (routes.py)
     modules: bool = False  # strict mode: the stopping step's dump records the engine's modules (the first origin)
@@ -45,7 +46,7 @@ class OnPolicyConfig:
 
     def __post_init__(self) -> None:
         for name, low in (("steps", 1), ("samples", 1), ("max_tokens", 1), ("world_size", 1), ("micro_batch", 1),
-                          ("engine_threads", 1)):  # fmt: skip
+                          ("engine_threads", 0)):  # fmt: skip
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < low:
                 raise PrecisionError(f"--{name.replace('_', '-')} {value!r}: an integer of at least {low}")
@@ -53,15 +54,15 @@ class OnPolicyConfig:
             raise PrecisionError(f"--contract {self.contract!r}: one of {', '.join(CONTRACTS)}")
         if self.replay_routes and self.contract != "none":
             raise PrecisionError(
-                "--replay-routes replays the engine's routes on the trainer as users run it; the contract does not follow an MoE "
-                "model's experts yet: pass --contract none"
+                "--replay-routes replays the engine's routes on the trainer as users run it; the contract routes every token as "
+                "the engine does already: pass --contract none to replay, or drop --replay-routes"
             )
         if self.engine_launch not in ("eager", "defaults"):
             raise PrecisionError(f"--engine-launch {self.engine_launch!r}: one of eager, defaults")
         if self.engine_launch == "defaults" and self.contract != "none" and not self.compiled:
             raise PrecisionError(
                 f"--engine-launch defaults with --contract {self.contract}: the engine compiles its model with Inductor and the "
-                "trainer computes the same only compiled by Inductor too: pass --compiled, or run --engine-launch eager"
+                "trainer computes the same only compiled by Inductor too: drop --no-compiled, or run --engine-launch eager"
             )
         if self.modules and self.engine_launch == "defaults":
             from fx_precision.engines.adapter import COMPILED_MODULES

@@ -40,7 +40,8 @@ class EngineSide:
         self.fixed = synthetic_prompts(vocab, (FIXED_PROMPT_LEN,), 7)  # the same sequence every step
         rollout = RolloutConfig(
             model=cfg.checkpoint, prompts=cfg.step_prompts(vocab, 0), engine=cfg.engine, max_tokens=cfg.max_tokens, seed=cfg.seed,
-            temperature=cfg.temperature, samples=cfg.samples, threads=cfg.engine_threads, split_kv="off", logprobs="processed",
+            temperature=cfg.temperature, samples=cfg.samples, threads=cfg.engine_threads, logprobs="processed",
+            split_kv="default" if cfg.engine_launch == "defaults" else "off",
             max_model_len=cfg.engine_positions(), launch=cfg.engine_launch, prompt_logprobs=cfg.engine_launch == "eager",
         )  # fmt: skip
         self.process = EngineProcess(python, rollout, root / "engine.log", EngineTimeouts(float(cfg.engine_timeout)))

@@ -41,5 +41,10 @@ def ratio_stats(train: torch.Tensor, rollout: torch.Tensor) -> dict[str, float]:
         return {name: float("nan") for name in ("ratio_min", "ratio_mean", "ratio_max", "k1_kl", "k3_kl")}
     log_ratio = train.double() - rollout.double()
     ratio = log_ratio.exp()
-    return {"ratio_min": float(ratio.min()), "ratio_mean": float(ratio.mean()), "ratio_max": float(ratio.max()),
-            "k1_kl": float(-log_ratio.mean()), "k3_kl": float(((ratio - 1) - log_ratio).mean())}  # fmt: skip
+    return {
+        "ratio_min": float(ratio.min()),
+        "ratio_mean": float(ratio.mean()),
+        "ratio_max": float(ratio.max()),
+        "k1_kl": float(-log_ratio.mean()) + 0.0,
+        "k3_kl": float(((ratio - 1) - log_ratio).mean()),
+    }  # fmt: skip (+ 0.0: no -0)

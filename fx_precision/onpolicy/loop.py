@@ -61,6 +61,7 @@ def preflight(cfg: OnPolicyConfig) -> tuple[int, Any]:
     sequence (the fixed prompt and the sampled tokens included) within the engine's positions, the engine environment
     exists; returns the vocabulary size and the engine's python."""
     from fx_precision.checkpoints import check_weights_fit_config, non_finite_tensors, read_checkpoint_config
+    from fx_precision.contract.gdn_form import gdn_layer_count
     from fx_precision.engines import engine_adapter
     from fx_precision.engines.client import engine_python
     from fx_precision.engines.prompts import check_prompts
@@ -83,6 +84,12 @@ def preflight(cfg: OnPolicyConfig) -> tuple[int, Any]:
         raise PrecisionError(
             f"--model {cfg.checkpoint}: {name} holds {count} NaN or Inf value(s) of {total} ({len(bad)} tensor(s) in all): a policy "
             "with non-finite weights samples garbage and learns nothing; start from a finite checkpoint"
+        )
+    if not cfg.compiled and cfg.micro_batch > 1 and gdn_layer_count(cc.config):
+        raise PrecisionError(
+            f"--no-compiled with --micro-batch {cfg.micro_batch}: {cfg.checkpoint} has GatedDeltaNet layers, whose backward under "
+            "aot_eager fails at a batch of 2 or more (an upstream torch / transformers bug); drop --no-compiled (Inductor) or pass "
+            "--micro-batch 1"
         )
     moe = config_moe(cc.config)
     if moe is None and cfg.replay_routes:
@@ -255,7 +262,8 @@ def recompute(r: Rank, s: StepState) -> None:
 
     data = s.data
     engine = {"steps": data.steps, "logits_calls": data.logits_calls, "prompt_logprobs": r.cfg.engine_launch == "eager"}
-    plans = row_plans(data.sequences, engine, tiling=data.contract.kv_tiling) if data.contract else None
+    contract = data.contract
+    plans = row_plans(data.sequences, engine, tiling=contract.kv_tiling, gdn=contract.gdn is not None) if contract else None
     orders = data.contract.linears if data.contract is not None else None
     s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.micro_batch, r.cfg.longest())
     if r.cfg.replay_routes:

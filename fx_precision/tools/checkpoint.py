@@ -53,18 +53,26 @@ def write_tiny_checkpoint(
 MAX_SHAPED_POSITIONS = 8192  # the engine's KV cache is sized for the positions a config names: a published 128k is cut
 
 
+EXPERT_COUNTS = ("num_experts", "num_local_experts", "n_routed_experts")  # how MoE configs name their expert count
+EXPERTS_PER_TOKEN = ("num_experts_per_tok", "moe_topk", "top_k")
+
+
 def write_shaped_checkpoint(config: str | os.PathLike[str], out: str | os.PathLike[str], *, layers: int, seed: int = 0,
-                            overwrite: bool = False) -> Path:  # fmt: skip
+                            overwrite: bool = False, experts: int | None = None) -> Path:  # fmt: skip
     """A published model's shape with random weights: every dimension of ``config`` (a config.json: heads, KV heads,
-    head_dim, intermediate, vocabulary, rope scaling, tied embeddings, biases) but ``layers`` decoder layers and at
-    most ``MAX_SHAPED_POSITIONS`` positions; weights drawn as the architecture initialises them (std
-    ``initializer_range``) from ``seed``, norm weights 1 + N(0, 0.05) and biases N(0, initializer_range) (a norm
-    of ones and a zero bias would test nothing of their arithmetic), stored bf16 as published checkpoints are."""
+    head_dim, intermediate, vocabulary, rope scaling, tied embeddings, biases) but ``layers`` decoder layers, at
+    most ``MAX_SHAPED_POSITIONS`` positions and, where given, ``experts`` experts per MoE layer (each expert and the
+    experts per token as published: what a 24 GiB machine holds of a 512-expert model); weights drawn as the
+    architecture initialises them (std ``initializer_range``) from ``seed``, norm weights 1 + N(0, 0.05) (zero-centred
+    ones N(0, 0.05)) and biases N(0, initializer_range) (a norm of ones and a zero bias would test nothing of their
+    arithmetic), stored bf16 as published checkpoints are."""
     target = _checked_out(out, overwrite, (config,))
     cc = read_checkpoint_config(config)
     if not 1 <= layers <= int(getattr(cc.config, "num_hidden_layers", layers) or layers):
         raise PrecisionError(f"--layers {layers}: between 1 and the config's {cc.config.num_hidden_layers} layers")
     shaped = cc.config
+    if experts is not None:
+        _cut_experts(shaped, experts)
     shaped.num_hidden_layers = layers
     if isinstance(getattr(shaped, "layer_types", None), list):
         shaped.layer_types = shaped.layer_types[:layers]
@@ -78,9 +86,21 @@ def write_shaped_checkpoint(config: str | os.PathLike[str], out: str | os.PathLi
         for name, param in model.named_parameters():
             if param.dim() == 1 and name.endswith("bias"):
                 param.normal_(0.0, float(getattr(shaped, "initializer_range", 0.02)))
-            elif param.dim() == 1 and bool((param == 1).all()):
+            elif param.dim() == 1 and (bool((param == 1).all()) or ("norm" in name and bool((param == 0).all()))):
                 param.add_(torch.randn_like(param) * 0.05)
     return _save(model.to(torch.bfloat16), target)
+
+
+def _cut_experts(config: Any, experts: int) -> None:
+    """``config`` with ``experts`` experts per MoE layer, refused where it has none or routes more per token."""
+    name = next((n for n in EXPERT_COUNTS if isinstance(getattr(config, n, None), int)), None)
+    if name is None:
+        raise PrecisionError(f"--experts {experts}: the config names no expert count ({', '.join(EXPERT_COUNTS)}): a dense model")
+    per_token = next((int(v) for n in EXPERTS_PER_TOKEN if isinstance(v := getattr(config, n, None), int)), 1)
+    published = int(getattr(config, name))
+    if not per_token <= experts <= published:
+        raise PrecisionError(f"--experts {experts}: between the experts per token ({per_token}) and the config's {published}")
+    setattr(config, name, experts)
 
 
 def is_checkpoint_dir(root: Path) -> bool:

@@ -643,19 +643,30 @@ def finite_nonnegative(text: str) -> float:
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
 
-    if (args.model is None) == (args.config is None):
-        raise PrecisionError("checkpoint takes --model ARCH (a tiny checkpoint) or --config CONFIG --layers N (a published shape)")
+    if sum(x is not None for x in (args.model, args.config, args.as_qwen3_next)) != 1:
+        raise PrecisionError("checkpoint takes --model ARCH (a tiny checkpoint), --config CONFIG --layers N (a published shape) or "
+                             "--as-qwen3-next DIR (a Qwen3.5-MoE checkpoint laid out as Qwen3-Next)")  # fmt: skip
     if args.config is not None and args.layers is None:
         raise PrecisionError("--config writes a published shape with fewer layers: give --layers N")
-    if args.config is None and args.layers is not None:
-        raise PrecisionError("--layers goes with --config (a published shape); a tiny --model checkpoint has 3 layers")
+    if args.config is None and (args.layers is not None or args.experts is not None):
+        flag = "--layers" if args.layers is not None else "--experts"
+        raise PrecisionError(f"{flag} goes with --config (a published shape); a tiny --model checkpoint has 3 layers")
+    if args.as_qwen3_next is not None:
+        from fx_precision.tools.gdn_layout import write_qwen3_next_layout
+
+        out = write_qwen3_next_layout(args.as_qwen3_next, args.out, overwrite=args.overwrite)
+        data = {"out": str(out), "from": args.as_qwen3_next, "files": sorted(p.name for p in out.iterdir())}
+        _emit(args, data, lambda: f"wrote {out}: {args.as_qwen3_next}'s weights laid out as Qwen3-Next ({', '.join(data['files'])})")
+        return 0
     if args.config is not None:
-        out = write_shaped_checkpoint(args.config, args.out, layers=args.layers, seed=args.seed, overwrite=args.overwrite)
-        what = f"{args.config}'s shape with {args.layers} layer(s)"
+        out = write_shaped_checkpoint(args.config, args.out, layers=args.layers, seed=args.seed, overwrite=args.overwrite,
+                                      experts=args.experts)  # fmt: skip
+        cut = f", {args.experts} experts per MoE layer" if args.experts is not None else ""
+        what = f"{args.config}'s shape with {args.layers} layer(s){cut}"
     else:
         out = write_tiny_checkpoint(args.model, args.out, seed=args.seed, overwrite=args.overwrite)
         what = f"a tiny {args.model}"
-    data = {"out": str(out), "arch": args.model, "config": args.config, "layers": args.layers, "seed": args.seed,
+    data = {"out": str(out), "arch": args.model, "config": args.config, "layers": args.layers, "experts": args.experts, "seed": args.seed,
             "files": sorted(p.name for p in out.iterdir())}  # fmt: skip
     _emit(args, data, lambda: f"wrote {out}: {what}, seeded random weights, bf16 safetensors ({', '.join(data['files'])})")
     return 0
@@ -677,11 +688,16 @@ def _checkpoint_parser(sub: Any) -> None:
         description="A tiny checkpoint (--model ARCH: hidden 128, 3 layers, head_dim 32: sizes the engine's CPU attention runs), "
         "or a published shape (--config CONFIG --layers N: every dimension as the config states it, N layers, random weights "
         "with the architecture's initialisation), stored as published checkpoints are: bf16 safetensors and a config.json "
-        "naming its dtype.",
+        "naming its dtype. --as-qwen3-next DIR: a Qwen3.5-MoE checkpoint's weights laid out as Qwen3-Next (vLLM runs Qwen3.5's "
+        "GatedDeltaNet layer as Qwen3-Next's; where it cannot import Qwen3.5, roll out this layout and compare the Qwen3.5-MoE "
+        "checkpoint against its dump: the dump's weights digest ties the two).",
     )
     p.add_argument("--model", metavar="ARCH", help="a tiny checkpoint of an architecture of fx-precision sweep (qwen3, llama, qwen2, ...)")
+    p.add_argument("--as-qwen3-next", metavar="DIR", help="a Qwen3.5-MoE (text) checkpoint to write laid out as Qwen3-Next")
     p.add_argument("--config", metavar="CONFIG", help="a published model's config.json (or its directory): its every dimension")
     p.add_argument("--layers", type=bounded_int("--layers", 1, 1024), help="with --config: the decoder layers to keep")
+    p.add_argument("--experts", type=bounded_int("--experts", 1, 4096),
+                   help="with --config: experts per MoE layer to keep (each expert and the experts per token as published)")  # fmt: skip
     _add_out_args(p, "checkpoint")
     p.add_argument("--seed", type=bounded_int("--seed", 0, 2**31 - 1), default=0)
     _add_json_arg(p)
@@ -829,14 +845,12 @@ def _rollout_parser(sub: Any) -> None:
     p.set_defaults(handler=cmd_rollout)
 
 
-def cmd_onpolicy(args: argparse.Namespace) -> int:
+def onpolicy_config(args: argparse.Namespace) -> Any:
+    """The OnPolicyConfig of ``fx-precision onpolicy``'s arguments (the API's defaults where a flag is left out)."""
     from fx_precision.engines.prompts import read_prompts
-    from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
-    from fx_precision.onpolicy.report import check_plot_path, origin_line, plot, summary_line, table
+    from fx_precision.onpolicy import OnPolicyConfig
 
-    if args.plot is not None:
-        check_plot_path(args.plot)
-    cfg = OnPolicyConfig(
+    return OnPolicyConfig(
         checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
         prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
         top_k=args.top_k, top_p=args.top_p,
@@ -845,6 +859,15 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
         engine_launch=args.engine_launch,
         engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite, replay_routes=args.replay_routes,
     )  # fmt: skip
+
+
+def cmd_onpolicy(args: argparse.Namespace) -> int:
+    from fx_precision.onpolicy import run_onpolicy
+    from fx_precision.onpolicy.report import check_plot_path, origin_line, plot, summary_line, table
+
+    if args.plot is not None:
+        check_plot_path(args.plot)
+    cfg = onpolicy_config(args)
     run = run_onpolicy(cfg)
     if run.stopped is not None and cfg.modules:
         from fx_precision.tools.train_side import name_first_origin
@@ -891,10 +914,10 @@ def _onpolicy_parser(sub: Any) -> None:
         "--world-size", type=bounded_int("--world-size", 1, _max_ranks, RANKS_WHY), default=2, help="FSDP2 gloo ranks (default 2)"
     )
     p.add_argument(
-        "--compiled",
-        action="store_true",
-        help="compile the trainer's forward with precision_backend over Inductor (the contract always compiles: aot_eager without this)",
-    )
+        "--compiled", action=argparse.BooleanOptionalAction, default=True,
+        help="compile the trainer's forward with precision_backend over Inductor (default; the contract always compiles: "
+        "--no-compiled runs aot_eager, which the engine at its defaults does not allow)",
+    )  # fmt: skip
     p.add_argument(
         "--contract",
         choices=["vllm", "none"],
@@ -925,16 +948,16 @@ def _onpolicy_parser(sub: Any) -> None:
     )
     p.add_argument(
         "--engine-threads",
-        type=bounded_int("--engine-threads", 1, 256),
-        default=1,
-        help="the engine's OpenMP threads (default 1; split-KV off)",
+        type=bounded_int("--engine-threads", 0, 256),
+        default=0,
+        help="the engine's OpenMP threads (default 0: the launch's own, the machine's cores at the defaults, 1 eager)",
     )
     p.add_argument(
-        "--engine-launch", choices=("eager", "defaults"), default="eager",
-        help="eager: the engine with enforce_eager and prefix caching off (default: the loop's diagnostic engine, prompt "
-        "log-probs recorded); defaults: as users launch it (compile on, prefix caching, chunked prefill), which the contract "
-        "follows on the loop's FSDP2 trainer compiled by Inductor (--compiled); the weight sync resets the prefix cache, so "
-        "no step reads KV of an older policy",
+        "--engine-launch", choices=("defaults", "eager"), default="defaults",
+        help="defaults: the engine as users launch it (default: compile on, prefix caching, chunked prefill, its threads and "
+        "split-KV), which the contract follows on the loop's FSDP2 trainer compiled by Inductor; the weight sync resets the "
+        "prefix cache, so no step reads KV of an older policy. eager: the diagnostic engine (enforce_eager, prefix caching off, "
+        "one thread, split-KV off, prompt log-probs recorded; --modules needs it)",
     )  # fmt: skip
     p.add_argument(
         "--engine-timeout", type=bounded_float("--engine-timeout", 1.0, 86400.0), default=300.0, metavar="SECONDS",

@@ -56,10 +56,10 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
 
     engine = dump.engine or {}
     if steps == "steps":
-        plans = row_plans(dump.sequences, engine, tiling=contract.kv_tiling)
+        plans = row_plans(dump.sequences, engine, tiling=contract.kv_tiling, gdn=contract.gdn is not None)
     else:
-        module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls"), "gdn": engine.get("gdn")}
-        alone = row_plans(dump.sequences, module_pass, with_logits=False, tiling=contract.kv_tiling)
+        module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls")}
+        alone = row_plans(dump.sequences, module_pass, with_logits=False, tiling=contract.kv_tiling, gdn=contract.gdn is not None)
         plans = [RowPlan(p.body, (0,) * len(p.logits), p.kv_tiles, p.gdn) for p in alone]
     return [EngineRows.of([plan], contract.linears) for plan in plans]
 
@@ -233,12 +233,12 @@ def train_against(dump: Dump, cfg: RunConfig) -> Dump:
     if cfg.world_size > 0:
         from fx_precision.ranks import run_on_ranks
 
-        _check_weights(cfg.model, dump)
+        layout = _check_weights(cfg.model, dump)
         slim = replace(dump, records=[], calls=[], replays={})  # what a rank reads: sequences, steps, contract (not the records)
-        return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg)[0]
-    _check_weights(cfg.model, dump)
+        return run_on_ranks(_train_on_rank, cfg.world_size, slim, cfg, layout)[0]
+    layout = _check_weights(cfg.model, dump)
     side = build_training_side(side_for_dump(cfg, dump))
-    _check_vocabulary(side, dump)
+    _check_vocabulary(side, dump, layout)
     followed = dump.contract if cfg.contract is not None else None
     out = Dump(side.name, inputs=cfg.record_inputs and not side.cfg.compiles(), contract=followed)
     rows = _engine_rows(dump, side.policy)
@@ -345,9 +345,12 @@ class ContractReplays:
         return []
 
 
-def _check_weights(checkpoint: str, dump: Dump) -> None:
-    """The checkpoint is the one the engine ran: the digest of every byte of every tensor must be the dump's."""
+def _check_weights(checkpoint: str, dump: Dump) -> str | None:
+    """The checkpoint is the one the engine ran: the digest of every byte of every tensor must be the dump's, or that of
+    the same weights in the layout the engine ran them in (a Qwen3.5-MoE checkpoint as Qwen3-Next: tools/gdn_layout.py).
+    Returns the architecture the engine ran where it is the other layout's, else None."""
     from fx_precision.checkpoints import weights_digest
+    from fx_precision.tools.gdn_layout import RELAID_ARCHITECTURE, relaid_digest
 
     recorded = (dump.engine or {}).get("weights")
     if not isinstance(recorded, str) or not recorded.startswith("sha256:"):
@@ -356,14 +359,19 @@ def _check_weights(checkpoint: str, dump: Dump) -> None:
             "could blame the engine for other weights. Roll out again with fx-precision rollout of this version"
         )
     mine = weights_digest(checkpoint)
-    if recorded != mine:
-        raise PrecisionError(
-            f"dump {dump.source} was made from other weights than {checkpoint} (digest {recorded[:23]}... vs {mine[:23]}...): pass the "
-            f"checkpoint the engine ran ({(dump.engine or {}).get('checkpoint')})"
-        )
+    if recorded == mine:
+        return None
+    if dump.model == RELAID_ARCHITECTURE and relaid_digest(checkpoint) == recorded:
+        return RELAID_ARCHITECTURE
+    raise PrecisionError(
+        f"dump {dump.source} was made from other weights than {checkpoint} (digest {recorded[:23]}... vs {mine[:23]}...): pass the "
+        f"checkpoint the engine ran ({(dump.engine or {}).get('checkpoint')})"
+    )
 
 
-def _check_vocabulary(side: TrainingSide, dump: Dump) -> None:
+def _check_vocabulary(side: TrainingSide, dump: Dump, engine_architecture: str | None = None) -> None:
+    """The dump's token ids fit the model, and the engine ran this architecture (or ``engine_architecture``: the same
+    weights laid out as another, ``_check_weights``)."""
     model = side.model
     vocab = int(getattr(model.config, "vocab_size", 0) or 0)
     top = max(max(s.tokens) for s in dump.sequences)
@@ -371,20 +379,20 @@ def _check_vocabulary(side: TrainingSide, dump: Dump) -> None:
         raise PrecisionError(
             f"dump {dump.source} holds token id {top}, outside the checkpoint's vocabulary of {vocab}: the dump is of another model"
         )
-    if dump.model and dump.model != side.name:
+    if dump.model and dump.model not in (side.name, engine_architecture):
         raise PrecisionError(
             f"dump {dump.source} is of {dump.model}, the checkpoint builds {side.name}: pass the checkpoint the engine ran"
         )
 
 
-def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: RunConfig) -> Dump:
+def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: RunConfig, layout: str | None = None) -> Dump:
     """Inside a gloo rank: the checkpoint under FSDP2 (per-layer units, the policy's plan), every rank
-    on the same sequences; rank 0's log-probs are the side's."""
+    on the same sequences; rank 0's log-probs are the side's (``layout``: ``_check_weights``'s)."""
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(1)
     side = build_training_side(side_for_dump(cfg, dump), mesh=cpu_mesh(world_size, cfg.mesh))
-    _check_vocabulary(side, dump)
+    _check_vocabulary(side, dump, layout)
     out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract is not None else None)
     _forward_all(side, dump, out, _engine_rows(dump, side.policy))
     out.source = side.describe()

@@ -93,3 +93,49 @@ def test_a_qwen3_5_rollout_is_refused_in_one_line_where_vllm_cannot_import_it(tm
     done = run("rollout", "--model", str(checkpoint), "--out", str(tmp_path / "dump"), check=False)
     assert done.returncode != 0 and "torchvision" in done.stderr and "Qwen3-Next" in done.stderr, done.stderr[-2000:]
     assert "Traceback" not in done.stderr and not (tmp_path / "dump").exists()  # refused before the engine starts
+
+
+def test_qwen3_5_moe_is_bitwise_against_the_engines_gdn_through_its_qwen3_next_layout(tmp_path: Path) -> None:
+    """Qwen3.5-MoE's training side (split projections in_proj_qkv / z / b / a) against the engine's GDN: the engine runs
+    the same weights laid out as Qwen3-Next (vLLM's Qwen3.5 layer is Qwen3-Next's), the training side loads the Qwen3.5-MoE
+    checkpoint, and the dump's weights digest ties the two (the relaid tensors digest to what the engine loaded).
+    Runs wherever Qwen3-Next does, torchvision or not."""
+    from fx_precision.tools.gdn_layout import write_qwen3_next_layout
+
+    qwen3_5 = write_tiny_checkpoint("qwen3.5-moe", tmp_path / "qwen3.5-moe", seed=31)
+    next_layout = write_qwen3_next_layout(qwen3_5, tmp_path / "as-qwen3-next")
+    run("rollout", "--model", str(next_layout), "--prompt-lens", "6,81", "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS),
+        "--seed", "5", "--launch", "eager", "--out", str(tmp_path / "dump"))  # fmt: skip
+    done = run("compare", "--model", str(qwen3_5), "--rollout", str(tmp_path / "dump"), "--contract", "vllm", "--compiled", "--json",
+               check=PORTABLE)  # fmt: skip
+    if not PORTABLE:
+        assert done.returncode != 0 and "gdn" in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-2000:]
+        return
+    report = json.loads(done.stdout)
+    assert "Qwen3_5Moe" in report["a"] and re.search(r"'engine-gdn': [1-9]", report["a"]), report["a"]
+    lp = report["logprob"]
+    assert lp["generated"]["tokens"] == 2 * SAMPLES * MAX_TOKENS and lp["generated"]["bitwise_share"] == 1.0, lp
+    other = write_tiny_checkpoint("qwen3.5-moe", tmp_path / "other", seed=32)  # other weights: refused, never compared
+    done = run("compare", "--model", str(other), "--rollout", str(tmp_path / "dump"), "--contract", "vllm", check=False)
+    assert done.returncode != 0 and "other weights" in done.stderr and "Traceback" not in done.stderr, done.stderr[-2000:]
+
+
+def test_the_hybrids_rollout_at_the_defaults_is_what_vllms_own_api_returns(hybrid: dict[str, Path], tmp_path: Path) -> None:
+    """The dump of the engine at its defaults holds what an independent ``LLM(model, dtype="bfloat16", seed=S).generate``
+    returns for the same prompts (tests/engine/direct_generate.py: nothing of the project in its path), bit for bit."""
+    from fx_precision.dump import load_dump
+
+    dump = load_dump(str(hybrid["defaults"]))
+    assert not isinstance(dump, dict)
+    prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in dump.sequences))
+    (tmp_path / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
+    threads = str(dump.engine["threads"])
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "direct_generate.py"), str(hybrid["checkpoint"]),
+                           str(tmp_path / "prompts.json"), str(MAX_TOKENS), "3", threads, "defaults", str(SAMPLES), "1.0"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    direct = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    assert len(direct) == len(dump.sequences) == len(prompts) * SAMPLES
+    for sequence, record, want in zip(dump.sequences, dump.logprob_records(), direct, strict=True):
+        assert list(sequence.tokens[sequence.prompt_len :]) == want["generated"]
+        assert record.tensor is not None
+        assert [float(x).hex() for x in record.tensor[sequence.prompt_len - 1 :].tolist()] == want["logprobs"]  # bit for bit

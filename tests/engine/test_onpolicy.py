@@ -8,7 +8,7 @@
     as users run it today (--contract none) every step mismatches, reported the same way; the reward rises either way
     with the engine at its defaults (--engine-launch defaults: compiled, prefix caching, chunked prefill), T = 0.7: under
     the contract no step mismatches (the trainer FSDP2 x 2, compiled), as users run it every step does; the contract
-    there without --compiled is refused in one line
+    there with --no-compiled is refused in one line
     strict mode stops at the first mismatch naming it; bad input and an engine that dies are one line, DIR stays whole
 
 The checkpoints are of sizes no other test uses (widths, heads, KV heads, layers), each run is `fx-precision onpolicy`
@@ -46,8 +46,12 @@ SHAPES = {
 
 
 def onpolicy(checkpoint: Path, out: Path, *extra: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    """``fx-precision onpolicy`` in its own process: the diagnostic engine (--engine-launch eager) and the aot_eager trainer
+    (--no-compiled) unless ``extra`` asks for the defaults' or Inductor."""
+    launch = () if "--engine-launch" in extra else ("--engine-launch", "eager")
+    trainer = () if {"--compiled", "--no-compiled"} & set(extra) else ("--no-compiled",)
     args = ["onpolicy", "--model", str(checkpoint), "--out", str(out), "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS),
-            "--json", str(out) + ".json", *extra]  # fmt: skip
+            "--json", str(out) + ".json", *launch, *trainer, *extra]  # fmt: skip
     done = subprocess.run([*CLI, *args], capture_output=True, text=True, env=ENV, check=False)
     if check and done.returncode != 0:
         raise AssertionError(f"fx-precision {' '.join(args)} exited {done.returncode}:\n{done.stderr[-3000:]}")
@@ -151,7 +155,7 @@ def test_with_the_engine_at_its_defaults_the_contract_holds_every_step_and_as_is
             assert math.isfinite(s["loss"]), s  # the prompt's unasked log-probs never reach the loss
     done = onpolicy(runs["qwen3"]["checkpoint"], tmp_path / "refused", "--steps", "1", "--engine-launch", "defaults", check=False)
     last = done.stderr.strip().splitlines()[-1]
-    assert done.returncode == 2 and "--engine-launch defaults" in last and "--compiled" in last, last
+    assert done.returncode == 2 and "--engine-launch defaults" in last and "--no-compiled" in last, last
     assert not (tmp_path / "refused").exists()
 
 
@@ -259,7 +263,7 @@ def _engine_pids(parent: int) -> list[int]:
 def test_an_engine_that_dies_mid_run_is_one_line_and_dir_keeps_the_last_complete_step(runs: dict[str, Any], tmp_path: Path) -> None:
     out = tmp_path / "dies"
     args = ["onpolicy", "--model", str(runs["qwen3"]["checkpoint"]), "--out", str(out), "--steps", "40", "--world-size", "1",
-            "--samples", "2", "--max-tokens", "4"]  # fmt: skip
+            "--samples", "2", "--max-tokens", "4", "--engine-launch", "eager", "--no-compiled"]  # fmt: skip
     proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline and proc.poll() is None:

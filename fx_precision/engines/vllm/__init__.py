@@ -33,7 +33,13 @@ class VllmCpu:
 
     def refuses(self, config: Any) -> str | None:
         """Why vLLM cannot run a checkpoint of ``config``, before it starts (None: it can try). Where vLLM is not
-        importable (the trainer's environment) nothing is refused here: the engine's own process asks again at start."""
+        importable (the trainer's environment) only what the config alone tells is refused here (a GatedDeltaNet hybrid
+        the engine or the contract cannot run: gdn_probe.gdn_config_refusal): the engine's own process asks again at start."""
+        from fx_precision.engines.vllm.gdn_probe import gdn_config_refusal
+
+        gdn = gdn_config_refusal(config)
+        if gdn is not None:
+            return gdn
         try:
             from vllm.model_executor.models import ModelRegistry
         except ImportError:

@@ -1,6 +1,8 @@
 """The GatedDeltaNet probe: vLLM's own GDN kernels against the contract's (contract/gdn.py), bit for bit, at the model's
 head counts and dims, its SSM state's dtype and the kernel build this engine loaded.
 
+    gdn_config_refusal(config)   why the engine cannot run, or the contract cannot follow, a GDN hybrid of this
+                                 config, read off the config before anything starts (None: it can try)
     gdn_layers(model)      the engine's linear-attention layers (QwenGatedDeltaNetAttention: Qwen3-Next, Qwen3.5)
     probe_gdn(model, kernels, gen) -> (GdnForm | None, evidence, engine record)
         the build          the portable one (_C_AVX2, conv by torch: the only one followed); another is refused, said why
@@ -21,6 +23,43 @@ from fx_precision.contract.gdn_form import HEAD_DIMS, PORTABLE, GdnForm
 
 PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
 EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant
+
+
+LAYER_TYPES = ("linear_attention", "full_attention")  # the layers vLLM's Qwen3-Next and Qwen3.5 build
+
+
+def gdn_config_refusal(config: Any) -> str | None:
+    """Why a GatedDeltaNet hybrid of ``config`` cannot be rolled out under the contract, in one line (None: no GDN layer,
+    or nothing known to refuse): a layer pattern vLLM does not build, linear head dims its CPU chunk kernel refuses
+    ("Unexpected head dim size"), value heads that are no multiple of the key heads, a Qwen3-Next without an MoE layer
+    (vLLM's Qwen3-Next model needs one)."""
+    text = getattr(config, "text_config", None) or config
+    types = getattr(text, "layer_types", None)
+    if not isinstance(types, (list, tuple)) or "linear_attention" not in types:
+        return None
+    where = f"{getattr(text, 'model_type', 'the model')} config"
+    layers = int(getattr(text, "num_hidden_layers", len(types)) or len(types))
+    odd = sorted({str(t) for t in types} - set(LAYER_TYPES))
+    if odd or len(types) != layers:
+        return (f"{where}: layer_types must name each of its {layers} layers one of {', '.join(LAYER_TYPES)}, got {len(types)} "
+                f"entries{' including ' + ', '.join(odd) if odd else ''}")  # fmt: skip
+    dims = {
+        "linear_key_head_dim": getattr(text, "linear_key_head_dim", None),
+        "linear_value_head_dim": getattr(text, "linear_value_head_dim", None),
+    }
+    if any(d not in HEAD_DIMS for d in dims.values()) or len(set(dims.values())) != 1:
+        shown = ", ".join(f"{k} {v}" for k, v in dims.items())
+        return f"{where}: {shown}: vLLM's CPU GatedDeltaNet kernels take one head dim for both, {' or '.join(map(str, HEAD_DIMS))}"
+    heads, value_heads = int(getattr(text, "linear_num_key_heads", 0) or 0), int(getattr(text, "linear_num_value_heads", 0) or 0)
+    if heads < 1 or value_heads % heads:
+        return f"{where}: linear_num_value_heads {value_heads} must be a multiple of linear_num_key_heads {heads}"
+    if getattr(text, "model_type", None) == "qwen3_next":
+        experts, step = int(getattr(text, "num_experts", 0) or 0), int(getattr(text, "decoder_sparse_step", 1) or 1)
+        dense = set(getattr(text, "mlp_only_layers", None) or [])
+        if experts < 1 or not any(i not in dense and (i + 1) % step == 0 for i in range(layers)):
+            return (f"{where}: no MoE layer (num_experts {experts}, decoder_sparse_step {step}, mlp_only_layers {sorted(dense)}): "
+                    "vLLM's Qwen3-Next model needs at least one")  # fmt: skip
+    return None
 
 
 def gdn_layers(model: Any) -> list[tuple[str, Any]]:
