@@ -13,8 +13,8 @@
     └── logprob                      from the root's logits and token ids: per-token log-prob |delta| max and
                                      mean, the K3 estimate of KL, the share of bitwise-equal log-probs
 
-Bands of the relative difference: identical (the same values; ``bitwise`` says whether the dtypes
-and bytes are the same too), equivalent (<= 1e-5), minor (<= 1e-3), large (<= 1e-1), severe. The
+Bands of the relative difference: identical (the same bit patterns: ``bitwise``), same-values (the same
+numbers in other bits: another dtype, -0 against +0), equivalent (<= 1e-5), minor (<= 1e-3), large (<= 1e-1), severe. The
 measure is quadratic in the error: one bf16 rounding step scores about 1e-5. Origins therefore
 ask for the same values, not a band: true on-policy's target is bitwise.
 
@@ -50,14 +50,19 @@ from fx_precision.logprobs import token_logprobs
 from fx_precision.module_graph import module_label
 
 BANDS = (("identical", 0.0), ("equivalent", 1e-5), ("minor", 1e-3), ("large", 1e-1), ("severe", float("inf")))
+SAME_VALUES = "same-values"  # the same numbers in other bits: another dtype (fp32 and bf16 holding bf16 values), -0 and +0
 NON_FINITE = "non-finite"  # worse than any band: NaN or Inf on a side
-BAND_RANK = {**{name: i for i, (name, _) in enumerate(BANDS)}, NON_FINITE: len(BANDS)}
-MATCHING = ("identical",)  # for origins: "match" is bitwise (true on-policy's target), anything else differs
+BAND_RANK = {"identical": 0, SAME_VALUES: 0.5, **{name: i for i, (name, _) in enumerate(BANDS) if i}, NON_FINITE: len(BANDS)}
+MATCHING = ("identical", SAME_VALUES)  # for origins: a match holds the same values (the same bits where the dtypes agree)
 
 
-def band_of(rel_diff: float, bitwise: bool) -> str:
+def band_of(rel_diff: float, bitwise: bool, same_values: bool | None = None) -> str:
+    """``identical`` only where the bit patterns were compared and agree (bit_equality.same_bits); the same numbers in
+    other bits ``same-values``; else the band of ``rel_diff``."""
     if bitwise:
         return "identical"
+    if same_values:
+        return SAME_VALUES
     for name, limit in BANDS[1:]:
         if rel_diff <= limit:
             return name
@@ -132,9 +137,10 @@ def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
         )
     if not (x.is_floating_point() and y.is_floating_point()):
         same = bool(torch.equal(x, y))
-        band = "identical" if same else "severe"
+        bits = same and x.dtype == y.dtype  # integers: the same values in the same dtype are the same bits
+        band = "identical" if bits else SAME_VALUES if same else "severe"
         return TensorDiff(
-            **common, rel_diff=float(not same), max_abs=0.0, mean_abs=0.0, rel_diff_narrow=None, bitwise=same, band=band,
+            **common, rel_diff=float(not same), max_abs=0.0, mean_abs=0.0, rel_diff_narrow=None, bitwise=bits, band=band,
             first_row=None if same else _first_row(x, y),
         )  # fmt: skip
     mask_x, text_x = _non_finite(x)
@@ -173,7 +179,7 @@ def tensor_diff(a: Record, b: Record, *, nan_equal: bool = False) -> TensorDiff:
         mean_abs=float(delta.mean()) if delta.numel() else 0.0,
         rel_diff_narrow=narrow,
         bitwise=bitwise,
-        band=band_of(rel, same_values),
+        band=band_of(rel, bitwise, same_values),
         first_row=None if same_values else _first_row(x64, y64),
     )
 

@@ -349,3 +349,22 @@ def test_under_torchrun_every_rank_writes_its_own_directory(tmp_path: Path) -> N
     ranks = load_dump(out)
     assert isinstance(ranks, dict) and sorted(ranks) == [0, 1] and all(d.world_size == 2 for d in ranks.values())
     assert [p.name for p in tmp_path.iterdir()] == ["ranks"]  # no staging left behind
+
+
+def test_identical_is_said_only_where_the_bit_patterns_agree() -> None:
+    """The same numbers in other bits (fp32 against bf16 holding bf16 values; -0 against +0) are ``same-values``, not
+    ``identical``: that word, and ``bitwise``, only where the bit patterns were compared and agree."""
+    from fx_precision.compare import MATCHING, tensor_diff
+    from fx_precision.dump import Record
+
+    def record(t: torch.Tensor) -> Record:
+        return Record("m", 0, "out", "", str(t.dtype).removeprefix("torch."), tuple(t.shape), t)
+
+    values = torch.randn(4, 8).to(torch.bfloat16)
+    for a, b in ((values, values.float()), (torch.tensor([0.0, 1.0]), torch.tensor([-0.0, 1.0]))):
+        diff = tensor_diff(record(a), record(b))
+        assert diff.band == "same-values" and not diff.bitwise and diff.band in MATCHING, diff
+    same = tensor_diff(record(values), record(values.clone()))
+    assert same.band == "identical" and same.bitwise
+    ids = tensor_diff(record(torch.arange(4)), record(torch.arange(4, dtype=torch.int32)))
+    assert ids.band == "same-values" and not ids.bitwise
