@@ -12,8 +12,10 @@
         is the main environment's, and vLLM holds its own)
 
 The main environment never imports vLLM: ``fx-precision rollout`` runs here, writes a dump, and the
-main environment's ``fx-precision compare`` reads it. The step list is printed before it runs and each
-step's command on failure, so a broken registry or pin is one line to act on.
+main environment's ``fx-precision compare`` reads it. Without torchvision vLLM cannot import Qwen3.5 (its
+module imports Qwen3-VL's vision code): the build ends saying so (``QWEN3_5_NOTE``) and what runs instead.
+The step list is printed before it runs and each step's command on failure, so a broken registry or pin is
+one line to act on.
 """
 
 from __future__ import annotations
@@ -49,13 +51,25 @@ def steps(directory: Path, vllm: str, torch_version: str) -> list[list[str]]:
     ]
 
 
+QWEN3_5_NOTE = (
+    "engine_env: this environment has no torchvision (the package registry's wheels are CUDA builds), so vLLM cannot import "
+    "Qwen3.5 (its module imports Qwen3-VL's vision code): rollout refuses it in one line. Qwen3-Next runs (vLLM's Qwen3.5 "
+    "layer is Qwen3-Next's), and so does a Qwen3.5-MoE laid out as Qwen3-Next (fx-precision checkpoint --as-qwen3-next); "
+    "or install torchvision's CPU build matching torch {torch} from PyTorch's own index"
+)
+
+
 def build(directory: Path, vllm: str = VLLM, torch_version: str | None = None) -> None:
-    for command in steps(directory, vllm, torch_version or torch_release()):
+    version = torch_version or torch_release()
+    for command in steps(directory, vllm, version):
         started = time.perf_counter()
         done = subprocess.run(command, check=False)
         if done.returncode != 0:
             raise SystemExit(f"engine_env: `{' '.join(command)}` exited {done.returncode}")
         print(f"engine_env: {' '.join(command[-3:])} ({time.perf_counter() - started:.0f} s)", flush=True)
+    probe = "import importlib.util, sys; sys.exit(importlib.util.find_spec('torchvision') is not None)"
+    if subprocess.run([str(directory / "bin" / "python"), "-c", probe], check=False).returncode == 0:
+        print(QWEN3_5_NOTE.format(torch=version), flush=True)
 
 
 def main(argv: list[str] | None = None) -> int:

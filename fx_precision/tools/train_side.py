@@ -240,7 +240,8 @@ def train_against(dump: Dump, cfg: RunConfig) -> Dump:
     side = build_training_side(side_for_dump(cfg, dump))
     _check_vocabulary(side, dump, layout)
     followed = dump.contract if cfg.contract is not None else None
-    out = Dump(side.name, inputs=cfg.record_inputs and not side.cfg.compiles(), contract=followed)
+    out = Dump(layout or side.name, inputs=cfg.record_inputs and not side.cfg.compiles(), contract=followed)  # the engine's
+    # architecture where the checkpoint is its weights in another layout: the same model, so the comparator pairs them
     rows = _engine_rows(dump, side.policy)
     if side.cfg.compiles():
         _forward_all(side, dump, out, rows)
@@ -393,7 +394,7 @@ def _train_on_rank(rank: int, world_size: int, dump: Dump, cfg: RunConfig, layou
     torch.set_num_threads(1)
     side = build_training_side(side_for_dump(cfg, dump), mesh=cpu_mesh(world_size, cfg.mesh))
     _check_vocabulary(side, dump, layout)
-    out = Dump(side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract is not None else None)
+    out = Dump(layout or side.name, rank=rank, world_size=world_size, contract=dump.contract if cfg.contract is not None else None)
     _forward_all(side, dump, out, _engine_rows(dump, side.policy))
     out.source = side.describe()
     return out

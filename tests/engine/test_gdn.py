@@ -112,7 +112,9 @@ def test_qwen3_5_moe_is_bitwise_against_the_engines_gdn_through_its_qwen3_next_l
         assert done.returncode != 0 and "gdn" in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-2000:]
         return
     report = json.loads(done.stdout)
-    assert "Qwen3_5Moe" in report["a"] and re.search(r"'engine-gdn': [1-9]", report["a"]), report["a"]
+    linear_layers = json.loads((qwen3_5 / "config.json").read_text())["layer_types"].count("linear_attention")
+    rewritten = re.search(r"'engine-gdn': (\d+)", report["a"])  # Qwen3.5's split projections found, each layer rewritten
+    assert rewritten is not None and int(rewritten.group(1)) == 2 * linear_layers, report["a"]
     lp = report["logprob"]
     assert lp["generated"]["tokens"] == 2 * SAMPLES * MAX_TOKENS and lp["generated"]["bitwise_share"] == 1.0, lp
     other = write_tiny_checkpoint("qwen3.5-moe", tmp_path / "other", seed=32)  # other weights: refused, never compared

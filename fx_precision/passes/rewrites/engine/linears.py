@@ -46,6 +46,12 @@ def _engine_width(form: LinearForm, forms: list[LinearForm], read: set[tuple[int
     family = [f for f in siblings if _parent(f) == _parent(form)]
     if (together, k) not in read and len(family) > 1 and (sum(_width(f) for f in family), k) in read:
         return sum(_width(f) for f in family)
+    if (together, k) not in read and len(family) > 1:  # a run of the family fused (Qwen3.5's qkv + z into qkvz, b + a into ba)
+        at = family.index(form)
+        runs = [sum(_width(f) for f in family[a:b]) for a in range(at + 1) for b in range(at + 1, len(family) + 1) if b - a > 1]
+        fused = [w for w in runs if (w, k) in read]
+        if fused:
+            return max(fused)
     if (together, k) not in read and (_width(form), k) in read:
         return 0
     return together
