@@ -126,18 +126,8 @@ def test_the_hybrids_rollout_at_the_defaults_is_what_vllms_own_api_returns(hybri
     """The dump of the engine at its defaults holds what an independent ``LLM(model, dtype="bfloat16", seed=S).generate``
     returns for the same prompts (tests/engine/direct_generate.py: nothing of the project in its path), bit for bit."""
     from fx_precision.dump import load_dump
+    from tests.engine.direct_check import assert_dump_is_vllms_own
 
     dump = load_dump(str(hybrid["defaults"]))
     assert not isinstance(dump, dict)
-    prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in dump.sequences))
-    (tmp_path / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
-    threads = str(dump.engine["threads"])
-    done = subprocess.run([sys.executable, str(Path(__file__).parent / "direct_generate.py"), str(hybrid["checkpoint"]),
-                           str(tmp_path / "prompts.json"), str(MAX_TOKENS), "3", threads, "defaults", str(SAMPLES), "1.0"],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    direct = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert len(direct) == len(dump.sequences) == len(prompts) * SAMPLES
-    for sequence, record, want in zip(dump.sequences, dump.logprob_records(), direct, strict=True):
-        assert list(sequence.tokens[sequence.prompt_len :]) == want["generated"]
-        assert record.tensor is not None
-        assert [float(x).hex() for x in record.tensor[sequence.prompt_len - 1 :].tolist()] == want["logprobs"]  # bit for bit
+    assert_dump_is_vllms_own(dump, hybrid["checkpoint"], tmp_path, MAX_TOKENS, 3, SAMPLES, "1.0")

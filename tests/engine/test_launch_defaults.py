@@ -26,6 +26,7 @@ import pytest
 
 from fx_precision.dump import load_dump
 from fx_precision.tools.checkpoint import write_tiny_checkpoint
+from tests.engine.direct_check import assert_dump_is_vllms_own
 
 HERE = Path(__file__).parent
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
@@ -57,17 +58,7 @@ def test_the_dump_holds_what_vllms_own_api_returns_as_users_launch_it(launched: 
     engine = dump.engine
     assert engine["launch"] == "defaults" and engine["compiled"] and engine["prefix_caching"] and not engine["prompt_logprobs"]
     assert engine["threads"] == (os.cpu_count() or 1)
-    prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in dump.sequences))
-    (tmp_path / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
-    done = subprocess.run([sys.executable, str(HERE / "direct_generate.py"), str(launched["checkpoint"]), str(tmp_path / "prompts.json"),
-                           str(MAX_TOKENS), "4", str(engine["threads"]), "defaults", str(SAMPLES), TEMPERATURE],
-                          capture_output=True, text=True, check=True)  # fmt: skip
-    direct = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    assert len(direct) == len(dump.sequences) == len(prompts) * SAMPLES
-    for sequence, record, want in zip(dump.sequences, dump.logprob_records(), direct, strict=True):
-        assert list(sequence.tokens[sequence.prompt_len :]) == want["generated"]
-        assert record.tensor is not None
-        assert [float(x).hex() for x in record.tensor[sequence.prompt_len - 1 :].tolist()] == want["logprobs"]  # bit for bit
+    assert_dump_is_vllms_own(dump, launched["checkpoint"], tmp_path, MAX_TOKENS, 4, SAMPLES, TEMPERATURE)
 
 
 def test_as_is_the_sampled_tokens_are_compared_and_the_prompt_is_not_claimed(launched: dict[str, Path]) -> None:
