@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import sys
+from collections.abc import Iterator
 
 import pytest
 
@@ -66,6 +67,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         for item in needing:
             item.add_marker(skip)
     _COUNTS.update(total=len(items), needing=len(needing), missing=int(missing))
+
+
+@pytest.fixture(autouse=True)
+def fresh_dynamo() -> Iterator[None]:
+    """Each test compiles from nothing, as a user's process does: Dynamo's caches and recompile counts are per code
+    object and process-wide, so the models earlier tests on the same worker compiled (under `--dist loadfile`, whatever
+    files the worker drew) would count against this test's limit, and past it Dynamo runs the frame eagerly, without
+    the backend's passes. Past the limit inside one test: an error, never a silent eager run."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        yield
 
 
 def pytest_sessionfinish(session: pytest.Session) -> None:
