@@ -36,7 +36,7 @@ from fx_precision.tools.checkpoint import write_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
-STEPS, SAMPLES, MAX_TOKENS, DEFAULTS_STEPS = 10, 4, 8, 8
+STEPS, SAMPLES, MAX_TOKENS, DEFAULTS_STEPS = 10, 4, 8, 4
 SHAPES = {
     "qwen3": {"hidden_size": 192, "num_attention_heads": 6, "num_key_value_heads": 2, "head_dim": 32, "intermediate_size": 320,
               "num_hidden_layers": 2},
