@@ -6,6 +6,7 @@ three KV-cache blocks of 128) with 8 sampled tokens each, shared by the tests:
     the dump holds what vLLM's own API returns             (a direct LLM.generate, bit for bit)
     as-is, the gap is measured with its origin and op      (fp32 gather, bf16 autocast)
     under the contract, every log-prob is bitwise          (eager, compiled with Inductor; Llama too)
+    a planted mismatch (the norm rewrite off) is named     (first origin: the first norm after a residual add; its op)
     bad input is one line and writes nothing               (other weights, other ids, a checkpoint vLLM refuses)
 
 Each engine runs in its own process, as a user runs ``fx-precision rollout``.
@@ -17,6 +18,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +95,27 @@ def test_under_the_contract_every_logprob_is_bitwise(rollout: dict[str, Path], c
     assert lp["prompt"]["bitwise_share"] == 1.0 and lp["generated"]["bitwise_share"] == 1.0, lp
     assert all(s["bitwise"] for s in lp["sequences"]), lp["sequences"]  # every prompt of the batch
     assert report["contract"]["evidence"]["matched"] == {"rotary": True, "norm": True, "attention": True, "linears": True}
+
+
+def test_a_planted_mismatch_is_named_by_its_origin_and_op(rollout: dict[str, Path]) -> None:
+    """The contract's fused add + norm left out (the training side normalises the rounded sum): the comparator, on
+    the training side's module records under the contract, names the first norm after a residual add, and run alone
+    on the engine's inputs under the contract, the op that made its differing output."""
+    from fx_precision.compare import compare as compare_runs
+    from fx_precision.contract import contract_of_dump
+    from fx_precision.policy_flags import PolicyFlags
+    from fx_precision.tools.train_side import train_against
+    from fx_precision.training_side import RunConfig
+
+    engine = load_dump(str(rollout["qwen3-dump"]))
+    evidence = engine.contract["evidence"]  # planted with its evidence: a dump whose contract contradicts it is refused
+    kept = {**evidence, "norm": {**evidence["norm"], "kept": "plain"}}
+    planted = replace(engine, contract={**engine.contract, "norm": "plain", "evidence": kept})
+    train = train_against(planted, RunConfig(str(rollout["qwen3"]), policy=PolicyFlags(), contract=contract_of_dump(planted)))
+    result = compare_runs(train, planted)
+    assert result.logprob is not None and result.logprob["prompt"]["bitwise_share"] < 1.0, result.logprob
+    assert result.first_origin is not None and result.first_origin.fqn == "model.layers.0.post_attention_layernorm", result.first_origin
+    assert result.first_op is not None and result.first_op.module == "model.layers.0.post_attention_layernorm" and result.first_op.op_a
 
 
 def test_the_contract_holds_on_llama_too(rollout: dict[str, Path]) -> None:
