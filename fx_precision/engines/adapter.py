@@ -167,6 +167,10 @@ class EngineAdapter(Protocol):
 
     def refuses(self, config: Any) -> str | None: ...  # why it cannot run a checkpoint of this config, before it starts
 
+    def min_prompt_tokens(self, isa: str = "auto") -> int: ...  # the shortest prompt it survives as the CPU family ``isa``
+
+    def recognizes(self, path: str) -> bool: ...  # ``path`` holds this engine's own dump files (read_dump reads them)
+
     def start(self, cfg: RolloutConfig) -> LocalSession: ...
 
     def read_dump(self, path: str) -> Dump: ...

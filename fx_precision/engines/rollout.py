@@ -14,15 +14,12 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-from fx_precision.checkpoints import check_weights_fit_config, read_checkpoint_config
 from fx_precision.contract import EngineContract
 from fx_precision.dump import Dump
 from fx_precision.engines import engine_adapter
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
-from fx_precision.engines.prompts import check_prompts, read_prompts, synthetic_prompts
-from fx_precision.errors import PrecisionError
-
-MAX_POSITIONS = 8192  # what an engine here is started with at most (engines.vllm.session.MAX_MODEL_LEN; its KV cache is sized for it)
+from fx_precision.engines.preflight import engine_preflight
+from fx_precision.engines.prompts import read_prompts, synthetic_prompts
 
 
 def _architecture(config: object) -> str:
@@ -32,27 +29,12 @@ def _architecture(config: object) -> str:
 
 def rollout_prompts(model: str, prompts_file: str | None, lengths: Sequence[int], seed: int, max_tokens: int, engine: str,
                     isa: str = "auto") -> tuple[tuple[int, ...], ...]:  # fmt: skip
-    """The prompts of a rollout (a file's, or synthetic ones of ``lengths``), checked against the checkpoint and the engine
-    before it starts: the engine runs the checkpoint's architecture (``refuses``), its weights are its config's, ids in
-    the vocabulary, lengths the engine survives as the CPU family it runs as (``min_prompt_tokens``), prompt plus sampled tokens within its
-    positions."""
-    cc = read_checkpoint_config(model)
-    adapter = engine_adapter(engine)
-    refused = adapter.refuses(cc.config)
-    if refused:
-        raise PrecisionError(f"--model {model}: {refused}")
-    check_weights_fit_config(cc)
-    vocab = int(cc.config.vocab_size)
-    prompts = read_prompts(prompts_file) if prompts_file else synthetic_prompts(vocab, lengths, seed)
-    positions = min(int(getattr(cc.config, "max_position_embeddings", 2048) or 2048), MAX_POSITIONS)
-    check_prompts(prompts, vocab, positions, max_tokens, model, min_len=min_prompt_tokens(adapter, isa))
+    """The prompts of a rollout (a file's, or synthetic ones of ``lengths``), checked by the engine preflight
+    (engines/preflight.py) before the engine starts."""
+    checked = engine_preflight(model, engine, isa)
+    prompts = read_prompts(prompts_file) if prompts_file else synthetic_prompts(checked.vocab, lengths, seed)
+    checked.check_prompts(prompts, max_tokens)
     return prompts
-
-
-def min_prompt_tokens(adapter: Any, isa: str = "auto") -> int:
-    """The shortest prompt ``adapter``'s engine survives (1 where it says nothing)."""
-    found = getattr(adapter, "min_prompt_tokens", None)
-    return int(found(isa)) if callable(found) else 1
 
 
 def run_rollout(cfg: RolloutConfig) -> Dump:

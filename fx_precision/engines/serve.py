@@ -36,15 +36,13 @@ class EngineServer:
         return reply
 
     def op_start(self, request: protocol.Start) -> protocol.Started:
-        from fx_precision.checkpoints import read_checkpoint_config
-        from fx_precision.engines import engine_adapter
+        from fx_precision.engines.preflight import engine_preflight
 
         cfg = request.rollout_config()
-        adapter = engine_adapter(cfg.engine)
-        refused = adapter.refuses(read_checkpoint_config(cfg.model).config)
-        if refused:
-            raise PrecisionError(f"--model {cfg.model}: {refused}")
-        self.session = adapter.start(cfg)
+        checked = engine_preflight(cfg.model, cfg.engine, cfg.isa, live=True)
+        if cfg.prompts:
+            checked.check_prompts(cfg.prompts, cfg.max_tokens)
+        self.session = checked.adapter.start(cfg)
         return protocol.Started(self.session.describe())
 
     def op_generate(self, request: protocol.Generate) -> protocol.Generated:

@@ -55,65 +55,38 @@ from fx_precision.routes import config_moe
 # ---------------------------------------------------------------------------------------------
 
 
-def preflight(cfg: OnPolicyConfig) -> tuple[int, Any]:
-    """Everything that can be refused before a rank or the engine starts: the engine runs the checkpoint's architecture,
-    the weights are its config's and finite, every prompt of every step is in the vocabulary, the run's longest
-    sequence (the fixed prompt and the sampled tokens included) within the engine's positions, the engine environment
-    exists; returns the vocabulary size and the engine's python."""
-    from fx_precision.checkpoints import check_weights_fit_config, non_finite_tensors, read_checkpoint_config
+def preflight(cfg: OnPolicyConfig) -> tuple[int, str]:
+    """Everything that can be refused before a rank or the engine starts: the engine preflight (engines/preflight.py:
+    a live engine that runs the checkpoint's architecture, weights of its config and finite, every prompt of every step
+    in the vocabulary and within the engine's positions), then what only training refuses (GDN under aot_eager at a
+    micro-batch of 2+, route replay on a dense model, the run's longest sequence with the loop's fixed prompt), the
+    engine environment; returns the vocabulary size and the engine's python."""
     from fx_precision.contract.gdn_form import gdn_layer_count
-    from fx_precision.engines import engine_adapter
     from fx_precision.engines.client import engine_python
-    from fx_precision.engines.prompts import check_prompts
-    from fx_precision.engines.rollout import MAX_POSITIONS, min_prompt_tokens
+    from fx_precision.engines.preflight import engine_preflight
 
-    cc = read_checkpoint_config(cfg.checkpoint)
-    adapter = engine_adapter(cfg.engine)
-    if not getattr(adapter, "live", False):
-        raise PrecisionError(
-            f"OnPolicyConfig.engine={cfg.engine!r}: that adapter reads an engine's dump files, it cannot start the engine; the loop "
-            "needs a live engine: engine='vllm'"
-        )
-    refused = adapter.refuses(cc.config)
-    if refused:
-        raise PrecisionError(f"--model {cfg.checkpoint}: {refused}")
-    check_weights_fit_config(cc)
-    bad = non_finite_tensors(cfg.checkpoint)
-    if bad:
-        name, count, total = bad[0]
-        raise PrecisionError(
-            f"--model {cfg.checkpoint}: {name} holds {count} NaN or Inf value(s) of {total} ({len(bad)} tensor(s) in all): a policy "
-            "with non-finite weights samples garbage and learns nothing; start from a finite checkpoint"
-        )
-    if not cfg.compiled and cfg.micro_batch > 1 and gdn_layer_count(cc.config):
+    checked = engine_preflight(cfg.checkpoint, cfg.engine, live=True, finite=True)
+    config = checked.checkpoint.config
+    if not cfg.compiled and cfg.micro_batch > 1 and gdn_layer_count(config):
         raise PrecisionError(
             f"--no-compiled with --micro-batch {cfg.micro_batch}: {cfg.checkpoint} has GatedDeltaNet layers, whose backward under "
             "aot_eager fails at a batch of 2 or more (an upstream torch / transformers bug); drop --no-compiled (Inductor) or pass "
             "--micro-batch 1"
         )
-    moe = config_moe(cc.config)
-    if moe is None and cfg.replay_routes:
+    if config_moe(config) is None and cfg.replay_routes:
         raise PrecisionError(f"--replay-routes: {cfg.checkpoint} is a dense model (its config names no expert count): drop the flag")
-    vocab = int(cc.config.vocab_size)
-    positions = min(int(getattr(cc.config, "max_position_embeddings", 2048) or 2048), MAX_POSITIONS)
-    min_len = min_prompt_tokens(adapter)
     if cfg.prompts is not None:
-        check_prompts(cfg.prompts, vocab, positions, cfg.max_tokens, cfg.checkpoint, min_len=min_len)
+        checked.check_prompts(cfg.prompts, cfg.max_tokens)
     else:
-        short = [n for n in cfg.prompt_lens if n < min_len]
-        if short:
-            raise PrecisionError(
-                f"--prompt-lens {short[0]}: this engine build needs prompts of at least {min_len} tokens (its CPU attention stops "
-                "on shorter ones)"
-            )
-        check_prompts(cfg.step_prompts(vocab, 0), vocab, positions, cfg.max_tokens, cfg.checkpoint, min_len=min_len)
-    if cfg.engine_positions() > positions:
+        checked.check_prompt_lens(cfg.prompt_lens)
+        checked.check_prompts(cfg.step_prompts(checked.vocab, 0), cfg.max_tokens)
+    if cfg.engine_positions() > checked.positions:
         raise PrecisionError(
             f"the run needs {cfg.engine_positions()} positions (the longest prompt, at least the loop's fixed {FIXED_PROMPT_LEN}-token "
-            f"one, plus --max-tokens {cfg.max_tokens}, plus the one token a step's record samples), over the {positions} of "
+            f"one, plus --max-tokens {cfg.max_tokens}, plus the one token a step's record samples), over the {checked.positions} of "
             f"{cfg.checkpoint}: shorten the prompts or sample fewer"
         )
-    return vocab, engine_python(cfg.engine_python)
+    return checked.vocab, engine_python(cfg.engine_python)
 
 
 def run_onpolicy(cfg: OnPolicyConfig) -> OnPolicyRun:

@@ -185,12 +185,11 @@ def test_strict_mode_stops_at_the_first_mismatch_naming_step_sequence_and_token(
 
 def test_bad_input_is_one_line_before_a_rank_or_the_engine_starts(runs: dict[str, Any], tmp_path: Path) -> None:
     from fx_precision.engines import engine_adapter
-    from fx_precision.engines.rollout import min_prompt_tokens
 
     checkpoint = runs["qwen3"]["checkpoint"]
     (tmp_path / "outside.json").write_text(json.dumps([[1, 2, 3, 4, 5, 6], [7, 8, 9, 10, 4096, 11]]))
     (tmp_path / "short.json").write_text(json.dumps([[1, 2, 3]]))
-    shortest = min_prompt_tokens(engine_adapter("vllm"))  # this machine's family: 5 as an AMX CPU, 1 as the others
+    shortest = engine_adapter("vllm").min_prompt_tokens()  # this machine's family: 5 as an AMX CPU, 1 as the others
     cases = [
         (("--samples", "0"), "--samples 0 is outside 1..64"),
         (("--temperature", "0"), "--temperature 0 is greedy"),  # vLLM refuses n > 1 at temperature 0: refused first

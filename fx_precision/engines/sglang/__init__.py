@@ -69,6 +69,9 @@ class SglangDumps:
     def refuses(self, config: object) -> str | None:
         return "SGLang does not run here; compare reads the files its dumper writes (compare --rollout DIR)"
 
+    def min_prompt_tokens(self, isa: str = "auto") -> int:
+        return 1  # it runs no prompt here: nothing to refuse by length
+
     def recognizes(self, path: str) -> bool:
         directory = Path(path)
         return directory.is_dir() and not (directory / "manifest.json").exists() and bool(_files(directory))

@@ -52,6 +52,9 @@ class VllmCpu:
                     "registers (e.g. LlamaForCausalLM, Qwen3ForCausalLM): convert the checkpoint to one of them")  # fmt: skip
         return None
 
+    def recognizes(self, path: str) -> bool:
+        return False  # its dumps are fx-precision rollout's (dump.load_dump), not files of its own
+
     def read_dump(self, path: str) -> Dump:
         raise PrecisionError("vllm writes its dumps through fx-precision rollout; read them with fx_precision.dump.load_dump")
 
