@@ -145,6 +145,8 @@ def step_times(checkpoint: Path, dump_dir: Path | None, steps: int) -> dict[str,
             loss = torch.nn.functional.cross_entropy(logits[:, :-1].float().flatten(0, 1), ids[:, 1:].flatten())
             loss.backward()
             side.model.zero_grad(set_to_none=True)
+            if i == 0:
+                out[f"{name}_first_step_s"] = round(time.perf_counter() - started, 1)  # compilation (Dynamo, Inductor) included
             if i >= 2:
                 times.append(time.perf_counter() - started)
         out[name] = statistics.median(times)

@@ -20,7 +20,8 @@ Run from the main environment (the engine environment from ``python -m fx_precis
         (each compare runs in this process: the published shapes' long prompts want the machine's memory to themselves)
         [--onpolicy-steps 8] [--samples 4] [--temperature 1.0] [--json FILE]
 
-Prints a table; JSON with the machine, the versions and the command.
+Prints a table; JSON with the machine, the versions and the command, written after each part ("complete": false until
+the run ends, so a run cut short keeps what it measured).
 """
 
 from __future__ import annotations
@@ -159,23 +160,30 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
+
+    def save(complete: bool) -> None:  # after every part: a run cut short keeps what it measured, marked incomplete
+        if args.json:
+            out = {**provenance(), "minutes": round((time.perf_counter() - started) / 60, 1), "complete": complete, "rows": rows}
+            Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+
     with tempfile.TemporaryDirectory(prefix="fxp-engine-defaults-") as tmp:
         root = Path(tmp)
         for arch in filter(None, args.archs.split(",")):
             checkpoint = write_tiny_checkpoint(arch, root / f"ckpt-{arch}", seed=args.seed, overwrite=True)
             rows += measure(f"tiny {arch}", checkpoint, root, args, args.arch_prompt_lens)
+            save(False)
         for shape in filter(None, args.shapes.split(",")):
             checkpoint = shaped(shape, root / f"ckpt-{shape}", args.layers, args)
             cut = f", {experts} experts" if (experts := cut_experts(shape, args)) else ""
             rows += measure(f"{shape} ({args.layers} layers{cut})", checkpoint, root, args, args.shape_prompt_lens)
+            save(False)
         if args.step:
             rows.append(measure_step(args.step, root, args))
+            save(False)
         if args.onpolicy_steps:
             rows += measure_onpolicy(root, args)
     print(table(rows))
-    if args.json:
-        out = {**provenance(), "minutes": round((time.perf_counter() - started) / 60, 1), "rows": rows}
-        Path(args.json).write_text(json.dumps(out, indent=2) + "\n")
+    save(True)
     return 0
 
 
