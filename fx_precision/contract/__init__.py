@@ -53,13 +53,13 @@ from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm
 from fx_precision.errors import PrecisionError
 
 
-def _bool(value: Any, where: str) -> bool:
+def _bool(value: object, where: str) -> bool:
     if not isinstance(value, bool):
         raise PrecisionError(f"{where}={value!r}: true or false")
     return value
 
 
-def _object(data: Any, where: str, names: tuple[str, ...]) -> dict[str, Any]:
+def _object(data: object, where: str, names: tuple[str, ...]) -> dict[str, Any]:
     """``data`` as a JSON object holding exactly ``names`` (missing or unknown fields: one error naming them)."""
     if not isinstance(data, dict):
         raise PrecisionError(f"{where}: a JSON object, got {type(data).__name__}")
@@ -103,7 +103,7 @@ class AttentionArithmetic:
                 "store": str(self.store)}  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.attention") -> AttentionArithmetic:
+    def from_dict(cls, data: object, where: str = "contract.attention") -> AttentionArithmetic:
         data = _object(data, where, ("scores", "exp", "reduce", "p_bf16", "fma", "store"))
         try:
             return cls(**data)
@@ -133,7 +133,7 @@ class RotaryOp:
         return {"form": str(self.form), "rounding": str(self.rounding) if self.rounding is not None else None}
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.rotary") -> RotaryOp:
+    def from_dict(cls, data: object, where: str = "contract.rotary") -> RotaryOp:
         data = _object(data, where, ("form", "rounding"))
         try:
             return cls(**data)
@@ -262,7 +262,7 @@ class EngineContract:
         }
 
     @classmethod
-    def from_dict(cls, data: Any) -> EngineContract:
+    def from_dict(cls, data: object) -> EngineContract:
         data = _object(data, "contract", _FIELDS + tuple(n for n in _OPTIONAL if isinstance(data, dict) and n in data))
         unmatched = data["unmatched"]
         if not isinstance(unmatched, list) or any(
@@ -373,7 +373,7 @@ def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str
     return notes
 
 
-def _norm_reductions(data: Any) -> tuple[NormReduction, ...] | None:
+def _norm_reductions(data: object) -> tuple[NormReduction, ...] | None:
     if data is None:
         return None
     if not isinstance(data, list):

@@ -118,7 +118,7 @@ class KvTiling:
                 "kv_heads": self.kv_heads, "threads": self.threads, "split_kv": self.split_kv, "window": self.window}  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.kv_tiling") -> KvTiling:
+    def from_dict(cls, data: object, where: str = "contract.kv_tiling") -> KvTiling:
         fields = ("isa", "l2_cache_bytes", "head_dim", "heads", "kv_heads", "threads", "split_kv", "window")
         if not isinstance(data, dict) or set(data) - set(fields) or set(fields[:-1]) - set(data):
             raise PrecisionError(f"{where}: an object with {', '.join(fields)}")

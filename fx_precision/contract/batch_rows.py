@@ -28,13 +28,16 @@ import functools
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fx_precision.contract.attention_tiles import ONE_TILE, KvTiling, RowTiles, tiles_tensor
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from fx_precision.dump import Sequence as TokenSequence
 
 
 @dataclass(frozen=True)
@@ -62,7 +65,7 @@ def _steps(engine: dict[str, Any]) -> list[list[tuple[int, int]]]:
     return [[(int(p), int(t)) for p, t in rows] for rows in steps]
 
 
-def steps_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> list[list[int | None]]:
+def steps_of(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]]) -> list[list[int | None]]:
     """For each sequence, the engine step that computed each of its rows (None: never computed): the step of the
     request that fed it, or for a row no request of the sequence fed, whose whole prefix another sequence shares
     (the engine's prefix cache: G samples of one prompt, the KV of its blocks computed once, in the same step or an
@@ -83,7 +86,7 @@ class Claims:
     requests: list[dict[int, int]]
 
 
-def _prefix_ids(sequences: Sequence[Any]) -> list[list[int]]:
+def _prefix_ids(sequences: Sequence[TokenSequence]) -> list[list[int]]:
     """Per sequence, per row: an id of the tokens up to and with that row (one id per distinct prefix: a trie)."""
     trie: dict[tuple[int, int], int] = {}
     out = []
@@ -96,7 +99,7 @@ def _prefix_ids(sequences: Sequence[Any]) -> list[list[int]]:
     return out
 
 
-def _claimed(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> Claims:
+def _claimed(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]]) -> Claims:
     """Each step's requests (``step_requests``) matched to sequences in the step's order: a request of rows
     [start, keys) is the first sequence's, in the dump's order, that holds those tokens there, has none of its own in
     the step yet, and has every row before ``start`` computed (by its own earlier requests, or by a prefix-cache hit:
@@ -132,7 +135,7 @@ def _claimed(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> Cl
     return Claims(found, fed, sources, requests)
 
 
-def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]], fed_steps: list[set[int]],
+def _predicted_calls(sequences: Sequence[TokenSequence], step_of: list[list[int | None]], fed_steps: list[set[int]],
                      prompt_logprobs: bool = True) -> tuple[Counter[tuple[int, int]], Counter[int]]:  # fmt: skip
     """The logits calls the plan assumes, (step, rows) -> count, and the requests each step samples for: each request
     that fed rows in the step (a chunk of a prompt too; rows a prefix-cache hit gave it are no request of that step),
@@ -150,7 +153,7 @@ def _predicted_calls(sequences: Sequence[Any], step_of: list[list[int | None]], 
     return predicted, requests
 
 
-def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str | None:
+def check_logits_calls(sequences: Sequence[TokenSequence], engine: dict[str, Any]) -> str | None:
     """None when the recorded logits computations are the ones the plan assumes, else what differs."""
     steps = _steps(engine)
     claims = _claimed(sequences, steps)
@@ -163,7 +166,7 @@ def check_logits_calls(sequences: Sequence[Any], engine: dict[str, Any]) -> str 
     return f"the engine computed logits in other batches than assumed (expected but absent: {missing}; recorded, unexpected: {extra})"
 
 
-def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: bool = True,
+def row_plans(sequences: Sequence[TokenSequence], engine: dict[str, Any], *, with_logits: bool = True,
               tiling: KvTiling | None = None, gdn: bool = False) -> list[RowPlan]:  # fmt: skip
     """The row plan of every sequence (module docstring), after the recorded logits calls are checked against it
     (``with_logits=False``: the body's rows only, the logits plan left at 0); ``tiling``: each row's KV tiles too,
@@ -205,7 +208,7 @@ def row_plans(sequences: Sequence[Any], engine: dict[str, Any], *, with_logits: 
 GDN_DECODE, GDN_NONE = -1, -2  # contract/gdn.py's codes (there with what they mean)
 
 
-def gdn_pieces_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], claims: Claims) -> list[tuple[int, ...]]:
+def gdn_pieces_of(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]], claims: Claims) -> list[tuple[int, ...]]:
     """Per sequence, per row: how the engine's GatedDeltaNet layers computed it, from the request that computed it (the
     sequence's own, or for a prefix-cache hit the request of the sequence it read): a request with no state yet (its
     first piece, of any length) or of several rows prefilled them as one piece (the row's code: the piece's first row);
@@ -234,7 +237,7 @@ def _rows_requests(claims: Claims, requests: list[list[tuple[int, int]]]) -> lis
     return out
 
 
-def step_requests(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
+def step_requests(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]]) -> list[list[tuple[int, int]]]:
     """Each engine step's requests as the attention call held them, in the step's order: (query rows, keys) per run
     of the step's rows at consecutive positions that is a slice of some sequence (a request's rows are consecutive;
     a run no sequence holds whole is cut where it stops matching one)."""
@@ -262,7 +265,7 @@ def step_requests(sequences: Sequence[Any], steps: list[list[tuple[int, int]]]) 
     return out
 
 
-def kv_tiles_of(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], claims: Claims,
+def kv_tiles_of(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]], claims: Claims,
                 tiling: KvTiling) -> list[tuple[RowTiles, ...]]:  # fmt: skip
     """Per sequence, per row: how the engine step that computed it took its keys (split-KV parts, KV tiles), in the
     request that computed the row (``claims``: the sequence's own, or for a prefix-cache hit the request of the
@@ -362,7 +365,7 @@ def active_forward() -> ContractForward | None:
     return _ACTIVE.get()
 
 
-def attention_calls(sequences: list[Any], steps: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, int], ...]]:
+def attention_calls(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]]) -> list[tuple[tuple[int, int], ...]]:
     """Each engine step's attention call as the requests it held: (query rows, keys) per request, in the step's order
     (``step_requests``); distinct calls only."""
     return list(dict.fromkeys(tuple(requests) for requests in step_requests(sequences, steps) if requests))

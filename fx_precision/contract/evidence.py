@@ -44,7 +44,7 @@ class Evidence:
         return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
 
     @classmethod
-    def from_dict(cls: type[E], data: Any, where: str) -> E:
+    def from_dict(cls: type[E], data: object, where: str) -> E:
         if not isinstance(data, dict):
             raise PrecisionError(f"{where}: a JSON object, got {type(data).__name__}")
         hints = typing.get_type_hints(cls)
@@ -224,7 +224,7 @@ class ContractEvidence(Evidence):
         return {**super().to_dict(), "matched": self.followed()}
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.evidence") -> ContractEvidence:
+    def from_dict(cls, data: object, where: str = "contract.evidence") -> ContractEvidence:
         if not isinstance(data, dict):
             raise PrecisionError(f"{where}: a JSON object, got {type(data).__name__}")
         recorded = data.get("matched")

@@ -46,7 +46,7 @@ class GdnForm:
         return {"kernels": self.kernels, "state": self.state, "eps": float(self.eps)}
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.gdn") -> GdnForm:
+    def from_dict(cls, data: object, where: str = "contract.gdn") -> GdnForm:
         if not isinstance(data, dict) or set(data) != {"kernels", "state", "eps"}:
             raise PrecisionError(f"{where}: an object of kernels, state and eps, got {data!r}"[:300])
         try:

@@ -63,7 +63,7 @@ class NormReduction:
         return {"lanes": self.lanes, "width": self.width, "size": self.size, "module": self.module}
 
     @classmethod
-    def from_dict(cls, data: Any) -> NormReduction:
+    def from_dict(cls, data: object) -> NormReduction:
         if not isinstance(data, dict) or set(data) != {"lanes", "width", "size", "module"}:
             raise PrecisionError(f"contract.norm_reductions: objects of lanes, width, size, module, got {data!r}"[:300])
         return cls(data["lanes"], data["width"], data["size"], data["module"])

@@ -165,7 +165,7 @@ class LinearOrder:
                 "lanes": self.lanes}  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: Any, where: str) -> LinearOrder:
+    def from_dict(cls, data: object, where: str) -> LinearOrder:
         if not isinstance(data, dict) or set(data) != {"kernel", "blocks", "parts", "bias_first", "lanes"}:
             raise PrecisionError(f"{where}: a linear order is an object of kernel, blocks, parts, bias_first, lanes; got {data!r}"[:300])
         try:
@@ -237,7 +237,7 @@ class LinearOrders:
         }  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.linears") -> LinearOrders:
+    def from_dict(cls, data: object, where: str = "contract.linears") -> LinearOrders:
         if not isinstance(data, dict) or set(data) != {"threads", "calls"}:
             raise PrecisionError(f"{where}: an object with threads and calls, got {data!r}"[:300])
         threads, calls = data["threads"], data["calls"]

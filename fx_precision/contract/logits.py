@@ -47,7 +47,7 @@ class LogitsForm:
         return {"scale": self.scale, "soft_cap": self.soft_cap}
 
     @classmethod
-    def from_dict(cls, data: Any, where: str = "contract.logits") -> LogitsForm:
+    def from_dict(cls, data: object, where: str = "contract.logits") -> LogitsForm:
         if not isinstance(data, dict) or set(data) != {"scale", "soft_cap"}:
             raise PrecisionError(f"{where}: an object with scale and soft_cap, got {data!r}"[:300])
         try:

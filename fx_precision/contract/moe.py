@@ -78,7 +78,7 @@ class MoeKernel:
                 "details": dict(self.details)}  # fmt: skip
 
     @classmethod
-    def from_dict(cls, data: Any) -> MoeKernel:
+    def from_dict(cls, data: object) -> MoeKernel:
         names = ("kernel", "activation", "renormalize", "experts", "top_k", "details")
         forms = ("exp", "store", "combine")  # a dump written before the probe told the builds apart: the _C form
         if not isinstance(data, dict) or not set(names) <= set(data) or not set(data) <= set(names + forms):

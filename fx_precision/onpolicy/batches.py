@@ -11,22 +11,29 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fx_precision.contract.vocabulary import LogprobForm
+
+if TYPE_CHECKING:
+    from fx_precision.contract import EngineContract
+    from fx_precision.contract.batch_rows import EngineRows, RowPlan
+    from fx_precision.contract.linear_order import LinearOrders
+    from fx_precision.dump import Sequence as TokenSequence
+    from fx_precision.training_side import TrainingSide
 
 
 @dataclass
 class StepData:
     """What rank 0 sends every rank each step (or the error every rank stops with)."""
 
-    sequences: list[Any] = field(default_factory=list)  # dump.Sequence: tokens, prompt_len
+    sequences: list[TokenSequence] = field(default_factory=list)
     logprobs: list[torch.Tensor] = field(default_factory=list)  # [len - 1] fp32: the engine's
     steps: list[list[tuple[int, int]]] = field(default_factory=list)
     logits_calls: list[tuple[int, int]] = field(default_factory=list)
-    contract: Any = None  # EngineContract of this generation (--contract vllm)
+    contract: EngineContract | None = None  # of this generation (--contract vllm)
     routes: dict[str, Any] | None = None  # an MoE model's: the engine's routes (engine.moe, engine.routes: routes.py)
     error: str | None = None
 
@@ -37,12 +44,12 @@ class MicroBatch:
     a dummy row that pads the batch to its fixed size) and prompt length."""
 
     ids: torch.Tensor
-    rows: Any
+    rows: EngineRows | None  # the engine rows of each row (None: no contract)
     index: list[int]
     prompt_lens: list[int]
 
 
-def micro_batches(data: StepData, plans: Sequence[Any] | None, orders: Any, rank: int, world: int, size: int,
+def micro_batches(data: StepData, plans: Sequence[RowPlan] | None, orders: LinearOrders | None, rank: int, world: int, size: int,
                   length: int) -> list[MicroBatch]:  # fmt: skip
     """Rank ``rank``'s sequences (``rank::world``) in micro-batches of ``size`` rows x ``length`` positions, right-padded
     (a row's padding is never computed by the engine: row plan 0, causal attention never reaches it); every rank makes
@@ -70,12 +77,14 @@ def micro_batches(data: StepData, plans: Sequence[Any] | None, orders: Any, rank
             prompt_lens.append(s.prompt_len)
             if plans is not None:
                 row_plans.append(plans[i])
-        rows = EngineRows.of(row_plans, orders, length) if plans is not None else None
+        if plans is not None and orders is None:
+            raise ValueError("micro_batches: row plans without the engine's linear orders")
+        rows = EngineRows.of(row_plans, orders, length) if plans is not None and orders is not None else None
         batches.append(MicroBatch(ids, rows, index, prompt_lens))
     return batches
 
 
-def forward_logprobs(side: Any, batch: MicroBatch, form: LogprobForm, temperature: float, top_k: int = 0,
+def forward_logprobs(side: TrainingSide, batch: MicroBatch, form: LogprobForm, temperature: float, top_k: int = 0,
                      top_p: float = 1.0) -> torch.Tensor:  # fmt: skip
     """[rows, length - 1] log-probs of every next token, in ``form`` (the contract's: the log-probs the engine returned)
     after the sampler's ``temperature``, ``top_k`` and ``top_p`` where the form is processed (logprobs.py)."""

@@ -40,7 +40,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -49,6 +49,15 @@ from fx_precision.onpolicy.batches import MicroBatch, StepData, forward_logprobs
 from fx_precision.onpolicy.config import FIXED_PROMPT_LEN, OnPolicyConfig
 from fx_precision.onpolicy.metrics import Certificate, OnPolicyRun, StepMetrics, certify
 from fx_precision.routes import config_moe
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from fx_precision.contract.vocabulary import LogprobForm
+    from fx_precision.onpolicy.engine_side import EngineSide
+    from fx_precision.onpolicy.run_dir import RunDir
+    from fx_precision.routes import RouteTap
+    from fx_precision.training_side import TrainingSide
 
 # ---------------------------------------------------------------------------------------------
 # the parent: preflight, DIR, then the ranks
@@ -139,15 +148,27 @@ class Rank:
     vocab: int
     root: Path
     names: list[str]
-    mesh: Any
+    mesh: DeviceMesh | None
     record: OnPolicyRun
-    engine: Any = None  # rank 0: onpolicy/engine_side.EngineSide
-    side: Any = None  # the training side (built at step 0)
-    optimizer: Any = None
+    engine: EngineSide | None = None  # rank 0's
+    side: TrainingSide | None = None  # built at step 0
+    optimizer: torch.optim.Optimizer | None = None
 
     @property
     def lead(self) -> bool:
         return self.rank == 0
+
+    @property
+    def running(self) -> EngineSide:
+        """Rank 0's engine (the steps that call it run on rank 0, after it started)."""
+        assert self.engine is not None, "the engine is rank 0's, started before the first step"
+        return self.engine
+
+    @property
+    def trainer(self) -> tuple[TrainingSide, torch.optim.Optimizer]:
+        """The training side and its optimizer (built at step 0, before any step trains)."""
+        assert self.side is not None and self.optimizer is not None, "the training side is built at step 0"
+        return self.side, self.optimizer
 
 
 @dataclass
@@ -164,7 +185,7 @@ class StepState:
     rewards: list[float] = field(default_factory=list)
     recompute: dict[int, torch.Tensor] = field(default_factory=dict)
     forward: dict[int, torch.Tensor] = field(default_factory=dict)
-    routes: list[Any] = field(default_factory=list)  # --replay-routes: each micro-batch's RouteTap
+    routes: list[RouteTap] = field(default_factory=list)  # --replay-routes: each micro-batch's
     loss: float = 0.0
     metrics: StepMetrics | None = None
     error: str | None = None  # rank 0's failure, sent to every rank at the next broadcast
@@ -189,19 +210,19 @@ def gather_weights(r: Rank, s: StepState) -> None:
 
 def sync_engine(r: Rank, s: StepState) -> None:
     assert s.weights is not None
-    s.digest = r.engine.sync(s.weights)
+    s.digest = r.running.sync(s.weights)
     if s.step == 0:
-        r.record.engine = dict(r.engine.process.describe())
+        r.record.engine = dict(r.running.process.describe())
 
 
 def roll_out(r: Rank, s: StepState) -> None:
-    s.fixed = r.engine.fixed_logprobs()
-    s.data = r.engine.rollout(r.cfg.step_prompts(r.vocab, s.step), s.step)
+    s.fixed = r.running.fixed_logprobs()
+    s.data = r.running.rollout(r.cfg.step_prompts(r.vocab, s.step), s.step)
 
 
 def read_contract(r: Rank, s: StepState) -> None:
     if r.cfg.contract == "vllm":
-        s.data.contract = r.engine.contract(s.step)
+        s.data.contract = r.running.contract(s.step)
 
 
 def broadcast_generation(r: Rank, s: StepState) -> None:
@@ -222,7 +243,7 @@ def build_side(r: Rank, s: StepState) -> None:
         r.record.contract = s.data.contract.describe() if s.data.contract is not None else None
 
 
-def _logprob_form(data: StepData) -> Any:
+def _logprob_form(data: StepData) -> LogprobForm:
     """The log-probs the engine returned: the contract's reading of them, else the loop's request (processed at T)."""
     from fx_precision.contract.vocabulary import LogprobForm
 
@@ -244,13 +265,13 @@ def recompute(r: Rank, s: StepState) -> None:
     with compile_limits(8), torch.no_grad():
         for b, batch in enumerate(s.batches):
             with _routes(s, b):
-                lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
+                lp = forward_logprobs(r.trainer[0], batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
             for row, i in enumerate(batch.index):
                 if i >= 0:
                     s.recompute[i] = lp[row].clone()
 
 
-def step_routes(data: StepData, batches: list[MicroBatch], length: int) -> list[Any]:
+def step_routes(data: StepData, batches: list[MicroBatch], length: int) -> list[RouteTap]:
     """--replay-routes: each micro-batch's RouteTap replaying the engine's routes of its rows (routes.py; a padding row or
     position keeps the model's own)."""
     from fx_precision.routes import UNROUTED, MoeSpec, RouteTap, routes_of
@@ -289,11 +310,11 @@ def train(r: Rank, s: StepState) -> None:
     s.rewards = [r.cfg.task.reward(seq.tokens[seq.prompt_len :]) for seq in data.sequences]
     advantages = group_advantages(s.rewards, r.cfg.samples)
     generated = sum(len(seq.tokens) - seq.prompt_len for seq in data.sequences)
-    r.optimizer.zero_grad(set_to_none=True)
+    r.trainer[1].zero_grad(set_to_none=True)
     with compile_limits(8):
         for b, batch in enumerate(s.batches):
             with _routes(s, b):
-                lp = forward_logprobs(r.side, batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
+                lp = forward_logprobs(r.trainer[0], batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
             rollout_lp = torch.zeros_like(lp)
             weight = torch.zeros_like(lp)
             for row, i in enumerate(batch.index):
@@ -309,7 +330,7 @@ def train(r: Rank, s: StepState) -> None:
             loss = (per_token * weight).sum() * (r.world / max(1, generated))  # FSDP2 averages gradients over ranks
             loss.backward()
             s.loss += float(loss.detach()) / r.world
-    r.optimizer.step()
+    r.trainer[1].step()
 
 
 def _non_finite(found: Certificate, loss: float, rewards: list[float]) -> str | None:
@@ -340,10 +361,10 @@ def record_step(r: Rank, s: StepState) -> None:
     cfg, found = r.cfg, s.metrics.certificate
     strict = cfg.mode == "strict"
     s.stop = _why_stop(cfg, s.metrics, r.root) if strict else None
-    r.engine.record(_run_dir(r), s.step, modules=s.stop is not None and cfg.modules and found.mismatches > 0)
+    r.running.record(_run_dir(r), s.step, modules=s.stop is not None and cfg.modules and found.mismatches > 0)
 
 
-def _run_dir(r: Rank) -> Any:
+def _run_dir(r: Rank) -> RunDir:
     from fx_precision.onpolicy.run_dir import RunDir
 
     return RunDir(r.root)
@@ -446,7 +467,7 @@ def _rank_main(rank: int, world: int, cfg: OnPolicyConfig, python: str, root: st
     return record if rank == 0 else None
 
 
-def _start_engine(r: Rank, python: str) -> Any:
+def _start_engine(r: Rank, python: str) -> EngineSide | None:
     """Rank 0 starts the engine, the others None; a failure reaches every rank as one PrecisionError."""
     from fx_precision.onpolicy.engine_side import EngineSide
 

@@ -18,11 +18,14 @@ import dataclasses
 import math
 import statistics
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fx_precision.bit_equality import bit_equal
+
+if TYPE_CHECKING:
+    from fx_precision.onpolicy.batches import StepData
 
 # the names RL frameworks log a trainer-vs-rollout quantity under -> this project's field
 STANDARD_NAMES: dict[str, str] = {
@@ -76,7 +79,9 @@ class Certificate:
     std_prob_delta: float = float("nan")  # the std of |p_train - p_rollout| (population)
 
 
-def certify(data: Any, recompute: dict[int, torch.Tensor], forward: dict[int, torch.Tensor], prompt_recorded: bool = True) -> Certificate:
+def certify(
+    data: StepData, recompute: dict[int, torch.Tensor], forward: dict[int, torch.Tensor], prompt_recorded: bool = True
+) -> Certificate:
     """Bit patterns of the sampled tokens' log-probs: rollout vs recompute vs the first training forward (``data``: the
     step's sequences and the engine's log-probs); prompt tokens (rollout vs recompute) counted apart, where the engine
     was asked for them (``prompt_recorded``; else none is counted: not recorded is never "equal" nor a mismatch)."""

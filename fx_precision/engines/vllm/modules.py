@@ -13,9 +13,12 @@ rotary_emb, attn, act_fn, logits_processor: no transformers module of the same m
 from __future__ import annotations
 
 import re
+from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.dump import CallInfo, Record
@@ -36,15 +39,15 @@ def _added(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 class ModuleRecorder:
     """Forward hooks on vLLM's model recording each prompt's prefill as transformers would name it."""
 
-    def __init__(self, model: Any, config: Any) -> None:
+    def __init__(self, model: nn.Module, config: Any) -> None:
         self.model = model
         heads, kv = int(config.num_attention_heads), int(getattr(config, "num_key_value_heads", config.num_attention_heads))
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)
         self.qkv = (heads * head_dim, kv * head_dim, kv * head_dim)
         self.chunks: dict[tuple[str, str, str], list[torch.Tensor]] = {}
         self.order: list[str] = []
-        self.handles: list[Any] = []
-        self.pending: dict[int, list[tuple[Any, dict[str, Any]]]] = {}
+        self.handles: list[RemovableHandle] = []
+        self.pending: dict[int, list[tuple[list[object], dict[str, object]]]] = {}
 
     def __enter__(self) -> ModuleRecorder:
         for fqn, module in self.model.named_modules():
@@ -57,15 +60,15 @@ class ModuleRecorder:
         for handle in self.handles:
             handle.remove()
 
-    def _pre(self) -> Any:
-        def hook(module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+    def _pre(self) -> Callable[[nn.Module, tuple[object, ...], dict[str, object]], None]:
+        def hook(module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             clone = [a.detach().clone() if isinstance(a, torch.Tensor) else a for a in args]  # rotary works in place
             self.pending.setdefault(id(module), []).append((clone, dict(kwargs)))
 
         return hook
 
-    def _post(self, fqn: str) -> Any:
-        def hook(module: Any, _args: tuple[Any, ...], _kwargs: dict[str, Any], output: Any) -> None:
+    def _post(self, fqn: str) -> Callable[[nn.Module, tuple[object, ...], dict[str, object], object], None]:
+        def hook(module: nn.Module, _args: tuple[object, ...], _kwargs: dict[str, object], output: Any) -> None:
             args, kwargs = self.pending[id(module)].pop()
             for name, io, path, tensor in self._rename(fqn, args, kwargs, output):
                 key = (name, io, path)

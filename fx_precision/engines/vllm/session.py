@@ -24,6 +24,8 @@ from dataclasses import replace
 from typing import Any
 
 import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from fx_precision.checkpoints import read_checkpoint_config, tensors_digest, weights_digest
 from fx_precision.contract import EngineContract, RotaryOp
@@ -103,7 +105,7 @@ def refuse_unimportable(config: Any) -> None:
         )
 
 
-def _attention_block_size(attn: Any, configured: int) -> int:
+def _attention_block_size(attn: nn.Module | None, configured: int) -> int:
     """The tokens per block of the attention layer's own KV cache ([blocks, KV heads, block, 2 x head_dim]): a hybrid
     model's attention blocks are sized to its Mamba/GDN state pages, not the cache config's block size (vLLM at
     max_model_len 33 without prefix caching: 33 in the config, 256 in the cache); the config's where none is allocated."""
@@ -169,28 +171,28 @@ class StepRecorder:
     GEMMs sum in an order that depends on how many rows a call holds, so the training side needs to know which call
     computed each row. Also how the model calls its post-attention norms (with a residual, or without: Granite)."""
 
-    def __init__(self, model: Any, capture_step: int | None = None) -> None:
+    def __init__(self, model: nn.Module, capture_step: int | None = None) -> None:
         self.model = model
         self.steps: list[list[tuple[int, int]]] = []
         self.logits: list[tuple[int, int]] = []  # (step index, rows)
         self.capture_step = capture_step  # the logits computed at this step (the sampler's and the prompt log-probs'), kept
         self.captured: tuple[int, tuple[torch.Tensor, ...]] | None = None
         self.norm_calls = {"with_residual": 0, "without": 0}
-        self.handles: list[Any] = []
+        self.handles: list[RemovableHandle] = []
 
     def __enter__(self) -> StepRecorder:
-        def forward(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def forward(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             ids = kwargs.get("input_ids", args[0] if args else None)
             positions = kwargs.get("positions", args[1] if len(args) > 1 else None)
             if isinstance(ids, torch.Tensor) and isinstance(positions, torch.Tensor):
                 self.steps.append(list(zip(positions.flatten().tolist(), ids.flatten().tolist(), strict=True)))
 
-        def logits(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def logits(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             hidden = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor) and a.dim() == 2), None)
             if hidden is not None:
                 self.logits.append((len(self.steps) - 1, int(hidden.shape[0])))
 
-        def norm(_module: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        def norm(_module: nn.Module, args: tuple[object, ...], kwargs: dict[str, object]) -> None:
             residual = kwargs.get("residual", args[1] if len(args) > 1 else None)
             self.norm_calls["with_residual" if isinstance(residual, torch.Tensor) else "without"] += 1
 
@@ -199,7 +201,7 @@ class StepRecorder:
             if name.endswith("post_attention_layernorm"):  # Llama-style models fuse the residual add into this norm, or not (Granite)
                 self.handles.append(module.register_forward_pre_hook(norm, with_kwargs=True))
 
-        def sampled(_module: Any, _args: Any, _kwargs: Any, output: Any) -> None:
+        def sampled(_module: nn.Module, _args: tuple[object, ...], _kwargs: dict[str, object], output: object) -> None:
             step = len(self.steps) - 1
             if step == self.capture_step and isinstance(output, torch.Tensor):
                 kept = self.captured[1] if self.captured is not None else ()
@@ -223,14 +225,14 @@ class RouteRecorder:
     per row, and ``spec()`` the layers (in layer order), the expert count and the experts per token. Nothing for a
     dense model."""
 
-    def __init__(self, model: Any, steps: StepRecorder) -> None:
+    def __init__(self, model: nn.Module, steps: StepRecorder) -> None:
         self.steps = steps
         self.layers = [(name, module.router) for name, module in model.named_modules()
                        if callable(getattr(getattr(module, "router", None), "set_capture_fn", None))]  # fmt: skip
         self.routes: list[list[list[list[int]] | None]] = []
         self.mismatch: str | None = None
 
-    def spec(self) -> dict[str, Any] | None:
+    def spec(self) -> dict[str, object] | None:
         if not self.layers:
             return None
         router = self.layers[0][1]
@@ -254,7 +256,7 @@ class RouteRecorder:
         for _name, router in self.layers:
             router.set_capture_fn(None)
 
-    def recorded(self) -> dict[str, Any]:
+    def recorded(self) -> dict[str, object]:
         """What the dump keeps (``engine.moe``, ``engine.routes``); a forward whose routing was not captured whole leaves
         the routes out and says why (``engine.routes_missing``)."""
         spec = self.spec()
