@@ -305,7 +305,7 @@ def _gdn_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.key_heads, ctx.eps = key_heads, eps
 
 
-def _gdn_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _gdn_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """The reference's gradients (fp32 math over every token), in the inputs' dtypes: the engine's pieces and roundings
     pass straight through."""
     saved = ctx.saved_tensors
@@ -343,7 +343,7 @@ def _gated_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -
     ctx.eps = eps
 
 
-def _gated_norm_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _gated_norm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, z, weight = ctx.saved_tensors
     with torch.enable_grad():
         xf, zf, wf = (t.detach().float().requires_grad_() for t in (x, z, weight))

@@ -72,7 +72,7 @@ def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.scale = inputs[1]
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return grad * ctx.scale, None
 
 

@@ -154,7 +154,7 @@ def _(grad_weights, logits, ids, renormalize):
     return torch.empty_like(logits)
 
 
-def _route_backward(ctx: Any, grad_weights: torch.Tensor, _grad_ids: Any) -> tuple[Any, ...]:
+def _route_backward(ctx: Any, grad_weights: torch.Tensor, _grad_ids: Any) -> tuple[torch.Tensor | None, ...]:
     logits, ids = ctx.saved_tensors
     return moe_route_backward(grad_weights, logits, ids, ctx.renormalize), None, None
 
@@ -229,7 +229,7 @@ def _(grad, x, w13, w2, weights, ids):
     return torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2), torch.empty_like(weights)
 
 
-def _moe_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _moe_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, w13, w2, weights, ids = ctx.saved_tensors
     return (*fused_moe_backward(grad, x, w13, w2, weights, ids), None, None, None, None)
 

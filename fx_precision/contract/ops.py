@@ -181,7 +181,7 @@ def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) ->
     ctx.options = (scale, causal, window, q_offset)
 
 
-def _attention_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _attention_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     q, k, v, key_lens, mask = ctx.saved_tensors
     scale, causal, window, q_offset = ctx.options
     probs, vf = _attention_reference(q, k, v, key_lens, mask if ctx.has_mask else None, scale, causal, window, q_offset)
@@ -240,7 +240,7 @@ def _rotary_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> No
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
 
 
-def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     cos, sin = ctx.saved_tensors
     half = grad.shape[-1] // 2
     g1, g2 = grad[..., :half].float(), grad[..., half:].float()
@@ -325,7 +325,7 @@ def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> No
     ctx.has_bias = bias is not None
 
 
-def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight = ctx.saved_tensors  # the batched kernel's gradients, as autocast's bf16 linear has them
     grad_x = grad.matmul(weight.to(grad.dtype))
     flat_g, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -378,7 +378,7 @@ def _residual_add_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor)
     ctx.shapes = (inputs[0].shape, inputs[1].shape)
 
 
-def _residual_add_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _residual_add_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return grad.sum_to_size(ctx.shapes[0]), grad.sum_to_size(ctx.shapes[1])
 
 
@@ -429,7 +429,7 @@ def _stored_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> No
     ctx.dtype = inputs[0].dtype
 
 
-def _stored_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _stored_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return grad.to(ctx.dtype), None  # as x.to(dtype)'s: the rounding passes gradients straight through
 
 
@@ -519,7 +519,7 @@ def _eager_math_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -
     ctx.args = inputs[1:]
 
 
-def _eager_math_grad(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _eager_math_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (x,) = ctx.saved_tensors
     return eager_math_gradient(x, grad, *ctx.args), None, None, None, None
 
@@ -562,7 +562,7 @@ def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -
     ctx.shape, ctx.eps, ctx.present = shape, eps, (weight is not None, bias is not None)
 
 
-def _layer_norm_grad(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _layer_norm_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias = ctx.saved_tensors
     gx, gw, gb = torch.ops.fxp_engine.eager_layer_norm_backward(x, grad.contiguous(), ctx.shape, weight, bias, ctx.eps)
     return gx, None, gw if ctx.present[0] else None, gb if ctx.present[1] else None, None
@@ -590,7 +590,7 @@ def _sum_squares_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) 
     ctx.save_for_backward(inputs[0])
 
 
-def _sum_squares_backward(ctx: Any, grad: torch.Tensor) -> tuple[Any, ...]:
+def _sum_squares_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (x,) = ctx.saved_tensors
     return (2 * x.float() * grad).to(x.dtype), None
 

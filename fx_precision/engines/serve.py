@@ -15,18 +15,27 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Any, TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from fx_precision.engines import protocol
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from fx_precision.engines.adapter import Generation, LocalSession
 
 
 class EngineServer:
     """One engine session and its last generation (module docstring)."""
 
     def __init__(self) -> None:
-        self.session: Any = None
-        self.generation: Any = None
+        self.session: LocalSession | None = None
+        self.generation: Generation | None = None
+
+    @property
+    def started(self) -> LocalSession:
+        """The session ``start`` made (``handle`` refuses every other request before it)."""
+        assert self.session is not None, "handle() refuses a request before start"
+        return self.session
 
     def handle(self, request: protocol.Message) -> protocol.Message:
         if not isinstance(request, protocol.Start) and self.session is None:
@@ -43,18 +52,18 @@ class EngineServer:
         if cfg.prompts:
             checked.check_prompts(cfg.prompts, cfg.max_tokens)
         self.session = checked.adapter.start(cfg)
-        return protocol.Started(self.session.describe())
+        return protocol.Started(self.started.describe())
 
     def op_generate(self, request: protocol.Generate) -> protocol.Generated:
-        self.generation = self.session.generate(request.sampling())
+        self.generation = self.started.generate(request.sampling())
         return protocol.Generated.of(self.generation)
 
     def op_probe(self, request: protocol.Probe) -> protocol.Probed:
         if self.generation is None:
             raise PrecisionError("engine server: probe before a generate (the probe reads the run's own calls)")
         started = time.perf_counter()
-        contract = self.session.probe(self.generation, None)
-        return protocol.Probed(contract.to_dict(), time.perf_counter() - started, self.session.describe())
+        contract = self.started.probe(self.generation, None)
+        return protocol.Probed(contract.to_dict(), time.perf_counter() - started, self.started.describe())
 
     def op_dump(self, request: protocol.DumpLast) -> protocol.Dumped:
         """The last generation as an engine dump at ``path`` (with ``modules``: every module's inputs and outputs of
@@ -64,9 +73,9 @@ class EngineServer:
         if self.generation is None:
             raise PrecisionError("engine server: dump before a generate")
         g = self.generation
-        module_pass = self.session.record_modules(g.sequences, g.temperature) if request.modules else None
-        contract = self.session.probe(g, module_pass) if request.probe else None
-        dump = engine_dump(self.session.config, self.session.describe(), g, module_pass, contract, request.seed, request.samples)
+        module_pass = self.started.record_modules(g.sequences, g.temperature) if request.modules else None
+        contract = self.started.probe(g, module_pass) if request.probe else None
+        dump = engine_dump(self.started.config, self.started.describe(), g, module_pass, contract, request.seed, request.samples)
         dump.save(request.path)
         return protocol.Dumped(request.path)
 
@@ -74,7 +83,7 @@ class EngineServer:
         from safetensors.torch import load_file
 
         started = time.perf_counter()
-        digest = self.session.load_weights(load_file(request.path).items())
+        digest = self.started.load_weights(load_file(request.path).items())
         return protocol.WeightsLoaded(time.perf_counter() - started, digest)
 
     def op_close(self, request: protocol.Close) -> protocol.Closed:

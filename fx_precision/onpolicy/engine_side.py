@@ -18,14 +18,18 @@ from __future__ import annotations
 import hashlib
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from fx_precision.engines.adapter import SamplingRequest
+from fx_precision.engines.adapter import Generation, SamplingRequest
 from fx_precision.errors import PrecisionError
 from fx_precision.onpolicy.batches import StepData
 from fx_precision.onpolicy.config import FIXED_PROMPT_LEN, OnPolicyConfig
+
+if TYPE_CHECKING:
+    from fx_precision.contract import EngineContract
+    from fx_precision.onpolicy.run_dir import RunDir
 
 
 class EngineSide:
@@ -46,8 +50,8 @@ class EngineSide:
         )  # fmt: skip
         self.process = EngineProcess(python, rollout, root / "engine.log", EngineTimeouts(float(cfg.engine_timeout)))
         self.weights: dict[str, torch.Tensor] = {}
-        self.first_contract: Any = None
-        self._last: Any = None
+        self.first_contract: EngineContract | None = None
+        self._last: Generation | None = None
 
     def sync(self, weights: dict[str, torch.Tensor]) -> str:
         """The engine loads ``weights`` in place; its digest of them must be theirs."""
@@ -73,12 +77,14 @@ class EngineSide:
         request = SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples, prompt_logprobs, top_k=cfg.top_k, top_p=cfg.top_p)
         self._last = self.process.generate(request)
         g = self._last
-        routes = {k: g.extra[k] for k in ("moe", "routes", "routes_missing") if k in g.extra} or None
+        routes: dict[str, object] | None = {k: g.extra[k] for k in ("moe", "routes", "routes_missing") if k in g.extra} or None
         return StepData(g.sequences, g.logprobs, g.steps, g.logits_calls, routes=routes)
 
-    def contract(self, step: int) -> Any:
+    def contract(self, step: int) -> EngineContract:
         """This generation's contract: every op class matched, and the graph-fixed ones (norm, rotary, attention,
         log-probs, eager math, experts) those of step 0, whose contract the trainer's graphs were compiled to."""
+        if self._last is None:
+            raise PrecisionError(f"step {step}: the engine's contract is read off a rollout, and none ran yet")
         contract = self.process.probe(self._last)
         if contract.unmatched:
             op_class, why = contract.unmatched[0]
@@ -98,7 +104,7 @@ class EngineSide:
                     )
         return contract
 
-    def record(self, run_dir: Any, step: int, modules: bool = False) -> None:
+    def record(self, run_dir: RunDir, step: int, modules: bool = False) -> None:
         """DIR/steps/NNNN: the checkpoint the engine ran (the synced weights + config) and the engine's dump of this step's
         rollout (``modules``: with every module's inputs and outputs, for the comparator's first origin; the contract
         where the run follows it); ``last`` moved to it. Nothing half-written is left."""
