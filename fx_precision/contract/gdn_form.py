@@ -4,9 +4,12 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 CHUNK = 64  # the chunk kernel's chunk
 PORTABLE = "portable"  # vLLM's _C_AVX2 build: ATen's generic lanes, glibc's libm, no FMA (the kernels followed)
@@ -14,7 +17,7 @@ HEAD_DIMS = (64, 128)  # what the engine's chunk kernel takes (it refuses 32)
 STATE_DTYPES = ("bf16", "fp32")
 
 
-def gdn_layer_count(config: Any) -> int:
+def gdn_layer_count(config: PretrainedConfig) -> int:
     """The GatedDeltaNet ("linear_attention") layers a transformers config names (its text config's, for a
     vision-language one): 0 for a model without them."""
     text = getattr(config, "text_config", None) or config

@@ -28,7 +28,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -47,6 +47,10 @@ from fx_precision.contract.evidence import (
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
 from fx_precision.contract.ops import _rotate, engine_attention, round_to
 from fx_precision.contract.vocabulary import LogprobForm, NormForm, RotaryForm, Rounding
+
+if TYPE_CHECKING:
+    from fx_precision.dump import Sequence as TokenSequence
+    from fx_precision.engines.adapter import Generation  # what an engine adapter generated (the probes run engine-side)
 
 PROBE_LENGTHS = (7, 45, 150, 333)  # several KV blocks of 128, and tails off every 16 / 32 boundary
 SEPARATING_LENGTHS = (640, 1031)  # the attention probe's further rounds while two arithmetics give every row so far
@@ -462,7 +466,7 @@ def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tens
 # ---------------------------------------------------------------------------------------------
 
 
-def _sampled_rows(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], step: int) -> list[tuple[int, int]]:
+def _sampled_rows(sequences: Sequence[TokenSequence], steps: list[list[tuple[int, int]]], step: int) -> list[tuple[int, int]]:
     """(sequence, position) of every row the engine computed at ``step`` whose next token it sampled."""
     rows = []
     for s, found in enumerate(steps_of(sequences, steps)):
@@ -471,7 +475,7 @@ def _sampled_rows(sequences: Sequence[Any], steps: list[list[tuple[int, int]]], 
     return rows
 
 
-def match_logprobs(generation: Any) -> tuple[LogprobForm | None, LogprobEvidence]:
+def match_logprobs(generation: Generation) -> tuple[LogprobForm | None, LogprobEvidence]:
     """Which log-probs the engine returned for the tokens it sampled, read off the logits its sampler drew from.
 
     ``generation.sampled_logits`` is (step, the logits calls of that step); every row of them is held against

@@ -25,7 +25,7 @@ from __future__ import annotations
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
@@ -33,6 +33,9 @@ from fx_precision.contract import EngineContract
 from fx_precision.dump import CallInfo, Dump, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 LAUNCHES = ("defaults", "eager")
 DEFAULT_LAUNCH = "defaults"  # the engine as its users launch it: the CLI's --launch default and RolloutConfig's, one value
@@ -156,7 +159,7 @@ class EngineSession(Protocol):
 
 
 class LocalSession(EngineSession, Protocol):
-    config: Any  # the checkpoint's config
+    config: PretrainedConfig  # the checkpoint's config
 
     def record_modules(self, sequences: Sequence[TokenSequence], temperature: float) -> ModulePass: ...
 
@@ -165,7 +168,7 @@ class EngineAdapter(Protocol):
     name: str
     live: bool  # a rollout can start it here (else: its dump files are read)
 
-    def refuses(self, config: Any) -> str | None: ...  # why it cannot run a checkpoint of this config, before it starts
+    def refuses(self, config: PretrainedConfig) -> str | None: ...  # why it cannot run a checkpoint of this config, before it starts
 
     def min_prompt_tokens(self, isa: str = "auto") -> int: ...  # the shortest prompt it survives as the CPU family ``isa``
 

@@ -37,7 +37,7 @@ import torch
 
 from fx_precision.contract import EngineContract
 from fx_precision.engines import protocol
-from fx_precision.engines.adapter import Generation, RolloutConfig, SamplingRequest
+from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.serve import HEARTBEAT_FD
 from fx_precision.errors import PrecisionError
 
@@ -225,7 +225,7 @@ class EngineProcess:
         self._last = reply.generation()
         return self._last
 
-    def probe(self, generation: Generation, module_pass: Any = None) -> EngineContract:
+    def probe(self, generation: Generation, module_pass: ModulePass | None = None) -> EngineContract:
         """The contract of ``generation``, which must be this engine's last (the probe reads its calls there)."""
         if generation is not self._last or module_pass is not None:
             raise PrecisionError("EngineProcess.probe reads the engine's last generation, without a module pass: pass that one")

@@ -12,7 +12,7 @@ run_rollout(cfg)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fx_precision.contract import EngineContract
 from fx_precision.dump import Dump
@@ -20,6 +20,9 @@ from fx_precision.engines import engine_adapter
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.preflight import engine_preflight
 from fx_precision.engines.prompts import read_prompts, synthetic_prompts
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 def _architecture(config: object) -> str:
@@ -50,8 +53,8 @@ def run_rollout(cfg: RolloutConfig) -> Dump:
         session.close()
 
 
-def engine_dump(config: Any, info: dict[str, Any], generation: Generation, module_pass: ModulePass | None, contract: EngineContract | None,
-                seed: int, samples: int) -> Dump:  # fmt: skip
+def engine_dump(config: PretrainedConfig, info: dict[str, Any], generation: Generation, module_pass: ModulePass | None,
+                contract: EngineContract | None, seed: int, samples: int) -> Dump:  # fmt: skip
     """One generation as an engine dump: its sequences and log-prob records, the module records of ``module_pass``,
     ``engine`` (how it ran: ``info``, its steps and logits calls, the module pass's) and ``contract``."""
     dump = Dump(

@@ -23,13 +23,16 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.dump import CallInfo, Dump, Record, Sequence
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 FILE = re.compile(r"^step=(?P<step>-?\d+)___rank=(?P<rank>\d+)___dump_index=(?P<index>\d+)___name=(?P<name>[^/]+?)(?:___.+)?\.pt$")
 PREFIX = "non_intrusive__"
@@ -79,7 +82,7 @@ class SglangDumps:
     def start(self, cfg: Any) -> Any:
         raise PrecisionError("sglang is read-only here: its CPU kernels are source-only; compare the files its dumper writes")
 
-    def read_dump(self, path: str, config: Any = None) -> Dump:
+    def read_dump(self, path: str, config: PretrainedConfig | None = None) -> Dump:
         """The dumper's files under ``path`` as a dump (module docstring); ``config``: the model's transformers config
         (default: the one at the dump's ``tokenizer_path``), for qkv_proj's split."""
         directory = Path(path)
@@ -109,7 +112,7 @@ class SglangDumps:
             self._add_step(dump, call, values[step], config)
         return dump
 
-    def _add_step(self, dump: Dump, call: int, named: dict[str, torch.Tensor], config: Any) -> None:
+    def _add_step(self, dump: Dump, call: int, named: dict[str, torch.Tensor], config: PretrainedConfig) -> None:
         modules: dict[str, dict[str, torch.Tensor]] = defaultdict(dict)
         for name, tensor in named.items():
             if name.startswith(PREFIX):
@@ -135,7 +138,7 @@ class SglangDumps:
             dump.calls.append(CallInfo("", call, -10_000 * (call + 1), 10_000 * (call + 1)))
 
 
-def _rename(module: str, tensors: dict[str, torch.Tensor], config: Any) -> list[tuple[str, str, str, torch.Tensor]]:
+def _rename(module: str, tensors: dict[str, torch.Tensor], config: PretrainedConfig) -> list[tuple[str, str, str, torch.Tensor]]:
     """One SGLang module's dumped values as transformers' records (fqn, io, path, tensor)."""
     leaf = module.rsplit(".", 1)[-1]
     out = tensors.get("out", tensors.get("out.0"))
@@ -188,7 +191,7 @@ def _config_at(path: Any) -> Any:
     return read_checkpoint_config(path).config
 
 
-def _architecture(config: Any) -> str:
+def _architecture(config: PretrainedConfig) -> str:
     names = (getattr(config, "architectures", None) or []) if config is not None else []
     return str(names[0]) if names else "unknown"
 

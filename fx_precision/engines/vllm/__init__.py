@@ -7,11 +7,14 @@ probes.py    the probes' handles into vLLM (rotary module, fused norm, attention
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fx_precision.dump import Dump
 from fx_precision.engines.adapter import RolloutConfig
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 class VllmCpu:
@@ -31,7 +34,7 @@ class VllmCpu:
 
         return VllmSession(cfg)
 
-    def refuses(self, config: Any) -> str | None:
+    def refuses(self, config: PretrainedConfig) -> str | None:
         """Why vLLM cannot run a checkpoint of ``config``, before it starts (None: it can try). Where vLLM is not
         importable (the trainer's environment) only what the config alone tells is refused here (a GatedDeltaNet hybrid
         the engine or the contract cannot run: gdn_probe.gdn_config_refusal): the engine's own process asks again at start."""

@@ -14,12 +14,15 @@ Nothing here runs what this CPU cannot: every op probed is the engine's own, loa
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from fx_precision.contract.evidence import CandidateEvidence
 from fx_precision.contract.gdn_form import HEAD_DIMS, PORTABLE, GdnForm
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
 EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant
@@ -28,7 +31,7 @@ EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's consta
 LAYER_TYPES = ("linear_attention", "full_attention")  # the layers vLLM's Qwen3-Next and Qwen3.5 build
 
 
-def gdn_config_refusal(config: Any) -> str | None:
+def gdn_config_refusal(config: PretrainedConfig) -> str | None:
     """Why a GatedDeltaNet hybrid of ``config`` cannot be rolled out under the contract, in one line (None: no GDN layer,
     or nothing known to refuse): a layer pattern vLLM does not build, linear head dims its CPU chunk kernel refuses
     ("Unexpected head dim size"), value heads that are no multiple of the key heads, a Qwen3-Next without an MoE layer

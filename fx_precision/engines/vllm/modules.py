@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from torch.utils.hooks import RemovableHandle
 
 from fx_precision.dtypes import dtype_name
 from fx_precision.dump import CallInfo, Record
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _LAYER = re.compile(r"^model\.layers\.\d+$")
 GDN_LINEARS = ("in_proj_qkvz", "in_proj_ba", "in_proj_qkv", "in_proj_z", "in_proj_b", "in_proj_a", "out_proj")  # as transformers names them
@@ -39,7 +42,7 @@ def _added(x: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
 class ModuleRecorder:
     """Forward hooks on vLLM's model recording each prompt's prefill as transformers would name it."""
 
-    def __init__(self, model: nn.Module, config: Any) -> None:
+    def __init__(self, model: nn.Module, config: PretrainedConfig) -> None:
         self.model = model
         heads, kv = int(config.num_attention_heads), int(getattr(config, "num_key_value_heads", config.num_attention_heads))
         head_dim = int(getattr(config, "head_dim", None) or config.hidden_size // heads)

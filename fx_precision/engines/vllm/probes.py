@@ -31,6 +31,8 @@ from torch import nn
 from fx_precision.errors import PrecisionError
 
 if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
     from fx_precision.contract.evidence import CandidateEvidence
     from fx_precision.contract.moe import MoeKernel
 
@@ -219,7 +221,7 @@ def repack_experts(model: nn.Module) -> int:
     return done
 
 
-def probe_moe(runner: Any, config: Any, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence]:
+def probe_moe(runner: Any, config: PretrainedConfig, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence]:
     """The engine's router and fused experts against the contract's (contract/moe.py), bit for bit, on random inputs at
     the model's sizes: (MoeKernel, evidence), or (None, evidence saying which form is not followed)."""
     from fx_precision.contract.evidence import CandidateEvidence

@@ -21,7 +21,7 @@ import os
 import time
 from collections.abc import Iterable, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -63,6 +63,9 @@ from fx_precision.engines.vllm.probes import (
 )
 from fx_precision.errors import PrecisionError
 
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
+
 COMPILED_ENGINE = (
     "the engine compiled its model (vLLM's default; --launch defaults): the contract follows a compiled engine where vLLM's "
     "native fused-add norm, neox rotary and activation run inside its Inductor graph (no custom op of theirs on); roll out with "
@@ -90,7 +93,7 @@ def import_vllm() -> Any:
 NEEDS_TORCHVISION = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text")  # vLLM's Qwen3.5 module imports Qwen3-VL's
 
 
-def refuse_unimportable(config: Any) -> None:
+def refuse_unimportable(config: PretrainedConfig) -> None:
     """A model whose vLLM module cannot import in this environment is refused before the engine starts, in one line:
     vLLM's Qwen3.5 module imports Qwen3-VL's vision tower, which needs torchvision (the engine environment installs
     none: the registry's wheels are CUDA builds)."""
@@ -114,7 +117,7 @@ def _attention_block_size(attn: nn.Module | None, configured: int) -> int:
     return int(cache.shape[2]) if isinstance(cache, torch.Tensor) and cache.dim() == 4 and cache.numel() else configured
 
 
-def engine_max_len(config: Any) -> int:
+def engine_max_len(config: PretrainedConfig) -> int:
     """The positions the engine is started with: the config's, at most MAX_MODEL_LEN."""
     return min(int(getattr(config, "max_position_embeddings", 2048) or 2048), MAX_MODEL_LEN)
 
@@ -145,7 +148,7 @@ def _dist_name() -> str | None:
     return None
 
 
-def kv_cache_gib(config: Any, positions: int) -> int:
+def kv_cache_gib(config: PretrainedConfig, positions: int) -> int:
     """The KV cache the engine is given (VLLM_CPU_KVCACHE_SPACE, GiB): room for one sequence of ``positions`` twice
     over (bf16 keys and values of every layer), at least 1 GiB."""
     heads = int(getattr(config, "num_attention_heads", 1) or 1)
@@ -154,7 +157,7 @@ def kv_cache_gib(config: Any, positions: int) -> int:
     return max(1, -(-2 * per_token * positions // (1 << 30)))
 
 
-def _head_dim(config: Any) -> int | None:
+def _head_dim(config: PretrainedConfig) -> int | None:
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     return int(getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)) or None
 
