@@ -40,7 +40,7 @@ read it off their engine.
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
@@ -51,6 +51,9 @@ from fx_precision.contract.logits import LogitsForm
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
 from fx_precision.errors import PrecisionError
+
+if TYPE_CHECKING:
+    from fx_precision.dump import Dump
 
 
 def _bool(value: object, where: str) -> bool:
@@ -388,7 +391,7 @@ def _lanes(reductions: tuple[NormReduction, ...]) -> str:
     return ", ".join(f"{n} at {lanes} lanes" for lanes, n in sorted(counts.items()))
 
 
-def contract_of_dump(dump: Any) -> EngineContract:
+def contract_of_dump(dump: Dump) -> EngineContract:
     """The contract an engine's dump recorded (``fx-precision rollout`` probes and writes it), held to its evidence."""
     data = getattr(dump, "contract", None)
     if not data:
