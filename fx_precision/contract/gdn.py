@@ -43,6 +43,7 @@ import torch.nn.functional as F
 from fx_precision.contract.batch_rows import GDN_DECODE, GDN_NONE, active_forward
 from fx_precision.contract.gdn_form import CHUNK, HEAD_DIMS, GdnForm
 from fx_precision.contract.kernels import engine_kernels
+from fx_precision.contract.op_context import OpContext
 from fx_precision.errors import PrecisionError
 
 # GDN_DECODE: a row the engine's decode kernel computed (one token of a request that had a state); GDN_NONE: a row the
@@ -299,13 +300,13 @@ def _(x, weight, a, b, A_log, dt_bias, key_heads, state_bf16, eps, where):
     return x.new_empty((B, T, Hv, C // (2 * key_heads + Hv)))
 
 
-def _gdn_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _gdn_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, weight, a, b, A_log, dt_bias, key_heads, _state_bf16, eps, _where = inputs
     ctx.save_for_backward(x, weight, a, b, A_log, dt_bias)
     ctx.key_heads, ctx.eps = key_heads, eps
 
 
-def _gdn_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _gdn_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     """The reference's gradients (fp32 math over every token), in the inputs' dtypes: the engine's pieces and roundings
     pass straight through."""
     saved = ctx.saved_tensors
@@ -337,13 +338,13 @@ def _(x, z, weight, eps):
     return torch.empty_like(x)
 
 
-def _gated_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _gated_norm_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, z, weight, eps = inputs
     ctx.save_for_backward(x, z, weight)
     ctx.eps = eps
 
 
-def _gated_norm_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _gated_norm_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, z, weight = ctx.saved_tensors
     with torch.enable_grad():
         xf, zf, wf = (t.detach().float().requires_grad_() for t in (x, z, weight))

@@ -199,7 +199,7 @@ def register_norm_orders(model: nn.Module, reductions: tuple[NormReduction, ...]
     _BOUND.extend((weakref.ref(module), r) for module, r in modules.values())
 
 
-def _storage(tensor: Any) -> int | None:
+def _storage(tensor: object) -> int | None:
     """Where ``tensor``'s memory starts; None for what holds none here (a sharded DTensor between its unit's forwards,
     a parameter FSDP2 freed)."""
     if not isinstance(tensor, torch.Tensor) or (type(tensor) is not torch.Tensor and not isinstance(tensor, nn.Parameter)):

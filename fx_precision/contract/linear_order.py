@@ -314,7 +314,7 @@ def candidate_orders(in_features: int, threads: int, kernel: LinearKernel = Line
     return sorted(seen, key=lambda o: (len(o.parts), len(o.blocks)))
 
 
-def engine_linear_shapes(model: nn.Module, *args: Any, **kwargs: Any) -> set[tuple[int, int]]:
+def engine_linear_shapes(model: nn.Module, *args: object, **kwargs: object) -> set[tuple[int, int]]:
     """The (out, in) shapes of the GEMMs an engine that fuses sibling linears computes for ``model``: the linears one
     forward on the example input (``model(*args, **kwargs)``, eager, no grad) feeds one tensor are one GEMM (q, k,
     v; gate, up), their widths summed; a linear that reads its input alone is its own."""

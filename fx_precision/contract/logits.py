@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from fx_precision.contract.op_context import OpContext
 from fx_precision.errors import PrecisionError
 
 
@@ -68,11 +69,11 @@ def _(x, scale):
     return torch.empty_like(x)
 
 
-def _setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.scale = inputs[1]
 
 
-def _backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return grad * ctx.scale, None
 
 

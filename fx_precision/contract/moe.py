@@ -29,6 +29,7 @@ from typing import Any
 
 import torch
 
+from fx_precision.contract.op_context import OpContext
 from fx_precision.contract.vocabulary import MOE_COMBINES as COMBINES
 from fx_precision.contract.vocabulary import MOE_EXPS as EXPS
 from fx_precision.contract.vocabulary import MOE_STORES as STORES
@@ -127,7 +128,7 @@ def _(logits, top_k, renormalize):
     return logits.new_empty(shape, dtype=torch.float32), logits.new_empty(shape, dtype=torch.int64)
 
 
-def _route_setup(ctx: Any, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
+def _route_setup(ctx: OpContext, inputs: tuple[Any, ...], output: tuple[torch.Tensor, torch.Tensor]) -> None:
     logits, _top_k, renormalize = inputs
     ctx.save_for_backward(logits, output[1])
     ctx.renormalize = renormalize
@@ -154,7 +155,7 @@ def _(grad_weights, logits, ids, renormalize):
     return torch.empty_like(logits)
 
 
-def _route_backward(ctx: Any, grad_weights: torch.Tensor, _grad_ids: Any) -> tuple[torch.Tensor | None, ...]:
+def _route_backward(ctx: OpContext, grad_weights: torch.Tensor, _grad_ids: torch.Tensor | None) -> tuple[torch.Tensor | None, ...]:
     logits, ids = ctx.saved_tensors
     return moe_route_backward(grad_weights, logits, ids, ctx.renormalize), None, None
 
@@ -191,7 +192,7 @@ def experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weig
     return out
 
 
-def _moe_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _moe_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(*inputs[:5])  # the tensors; the form's strings change the forward's roundings, not its derivative
 
 
@@ -229,7 +230,7 @@ def _(grad, x, w13, w2, weights, ids):
     return torch.empty_like(x), torch.empty_like(w13), torch.empty_like(w2), torch.empty_like(weights)
 
 
-def _moe_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _moe_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, w13, w2, weights, ids = ctx.saved_tensors
     return (*fused_moe_backward(grad, x, w13, w2, weights, ids), None, None, None, None)
 

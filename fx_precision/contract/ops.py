@@ -43,6 +43,7 @@ import torch
 from fx_precision.contract.batch_rows import EngineRows, active_forward, active_rows
 from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.linear_order import LinearOrder
+from fx_precision.contract.op_context import OpContext
 from fx_precision.contract.vocabulary import Rounding
 from fx_precision.errors import PrecisionError
 
@@ -174,14 +175,14 @@ def _attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_
     return probs, vf
 
 
-def _attention_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _attention_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     q, k, v, key_lens, mask, scale, causal, window, q_offset = inputs[:9]
     ctx.save_for_backward(q, k, v, key_lens, mask if mask is not None else torch.empty(0))
     ctx.has_mask = mask is not None
     ctx.options = (scale, causal, window, q_offset)
 
 
-def _attention_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _attention_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     q, k, v, key_lens, mask = ctx.saved_tensors
     scale, causal, window, q_offset = ctx.options
     probs, vf = _attention_reference(q, k, v, key_lens, mask if ctx.has_mask else None, scale, causal, window, q_offset)
@@ -234,13 +235,13 @@ def _(x, cos, sin, rounding):
     return torch.empty(torch.broadcast_shapes(x.shape, cos.shape), dtype=x.dtype, device=x.device)
 
 
-def _rotary_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _rotary_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, cos, sin, _ = inputs
     ctx.save_for_backward(cos, sin)
     ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
 
 
-def _rotary_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _rotary_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     cos, sin = ctx.saved_tensors
     half = grad.shape[-1] // 2
     g1, g2 = grad[..., :half].float(), grad[..., half:].float()
@@ -319,13 +320,13 @@ def _(x, weight, bias, logits, engine_out, where):
     return x.new_empty((*x.shape[:-1], weight.shape[0]))
 
 
-def _linear_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _linear_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, weight, bias = inputs[:3]
     ctx.save_for_backward(x, weight)
     ctx.has_bias = bias is not None
 
 
-def _linear_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _linear_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight = ctx.saved_tensors  # the batched kernel's gradients, as autocast's bf16 linear has them
     grad_x = grad.matmul(weight.to(grad.dtype))
     flat_g, flat_x = grad.reshape(-1, grad.shape[-1]), x.reshape(-1, x.shape[-1])
@@ -374,11 +375,11 @@ def _(a, b):
     return torch.empty(torch.broadcast_shapes(a.shape, b.shape), dtype=a.dtype, device=a.device)
 
 
-def _residual_add_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _residual_add_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.shapes = (inputs[0].shape, inputs[1].shape)
 
 
-def _residual_add_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _residual_add_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return grad.sum_to_size(ctx.shapes[0]), grad.sum_to_size(ctx.shapes[1])
 
 
@@ -401,11 +402,11 @@ def _(x):
     return torch.empty(x.shape, dtype=torch.float32, device=x.device)
 
 
-def _unrounded_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _unrounded_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.dtype = inputs[0].dtype
 
 
-def _unrounded_backward(ctx: Any, grad: torch.Tensor) -> torch.Tensor:
+def _unrounded_backward(ctx: OpContext, grad: torch.Tensor) -> torch.Tensor:
     return grad.to(ctx.dtype)  # as x.float()'s: the rounding passes gradients straight through
 
 
@@ -425,11 +426,11 @@ def _(x, dtype):
     return torch.empty(x.shape, dtype=dtype, device=x.device)
 
 
-def _stored_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _stored_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.dtype = inputs[0].dtype
 
 
-def _stored_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _stored_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     return grad.to(ctx.dtype), None  # as x.to(dtype)'s: the rounding passes gradients straight through
 
 
@@ -514,12 +515,12 @@ def eager_math_gradient(x: torch.Tensor, grad: torch.Tensor, op: str, dims: list
     return (grad * derivative()).to(x.dtype)
 
 
-def _eager_math_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _eager_math_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(inputs[0])
     ctx.args = inputs[1:]
 
 
-def _eager_math_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _eager_math_grad(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (x,) = ctx.saved_tensors
     return eager_math_gradient(x, grad, *ctx.args), None, None, None, None
 
@@ -556,13 +557,13 @@ def _(x, grad, shape, weight, bias, eps):
     return [torch.empty_like(t) if t is not None else x.new_empty(0) for t in (x, weight, bias)]
 
 
-def _layer_norm_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _layer_norm_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     x, shape, weight, bias, eps = inputs
     ctx.save_for_backward(x, weight, bias)
     ctx.shape, ctx.eps, ctx.present = shape, eps, (weight is not None, bias is not None)
 
 
-def _layer_norm_grad(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _layer_norm_grad(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     x, weight, bias = ctx.saved_tensors
     gx, gw, gb = torch.ops.fxp_engine.eager_layer_norm_backward(x, grad.contiguous(), ctx.shape, weight, bias, ctx.eps)
     return gx, None, gw if ctx.present[0] else None, gb if ctx.present[1] else None, None
@@ -586,11 +587,11 @@ def _(x, weight):
     return torch.empty((*x.shape[:-1], 1), dtype=torch.float32, device=x.device)
 
 
-def _sum_squares_setup(ctx: Any, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
+def _sum_squares_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
     ctx.save_for_backward(inputs[0])
 
 
-def _sum_squares_backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+def _sum_squares_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
     (x,) = ctx.saved_tensors
     return (2 * x.float() * grad).to(x.dtype), None
 
