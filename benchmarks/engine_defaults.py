@@ -38,7 +38,8 @@ from engine_contract import CONFIGS, compare, step_times  # benchmarks/engine_co
 from provenance import provenance  # benchmarks/provenance.py
 from tabulate import tabulate
 
-from fx_precision.tools.checkpoint import EXPERT_COUNTS, write_shaped_checkpoint, write_tiny_checkpoint
+from fx_precision.errors import PrecisionError
+from fx_precision.tools.checkpoint import EXPERT_COUNTS, check_expert_cut, write_shaped_checkpoint, write_tiny_checkpoint
 
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("as-is eager", ()),
@@ -158,6 +159,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--onpolicy-arch", default="qwen3", help="the on-policy runs' tiny checkpoint")
     parser.add_argument("--json", metavar="FILE", help="write the rows and their provenance here")
     args = parser.parse_args(argv)
+    for name in filter(None, [*args.shapes.split(","), args.step]):  # a bad --experts: refused before anything runs
+        if cut_experts(name, args) is not None:
+            try:
+                check_expert_cut(CONFIGS / name / "config.json", args.experts)
+            except PrecisionError as exc:
+                parser.error(f"{name}: {exc}")
     rows: list[dict[str, Any]] = []
     started = time.perf_counter()
 

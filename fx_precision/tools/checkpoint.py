@@ -103,6 +103,12 @@ def _cut_experts(config: Any, experts: int) -> None:
     setattr(config, name, experts)
 
 
+def check_expert_cut(config: str | os.PathLike[str], experts: int) -> None:
+    """``--experts`` against the config.json at ``config`` (what write_shaped_checkpoint would refuse), before a run
+    builds anything."""
+    _cut_experts(read_checkpoint_config(config).config, experts)
+
+
 def is_checkpoint_dir(root: Path) -> bool:
     return (root / "config.json").is_file()
 
