@@ -28,7 +28,7 @@ import functools
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -36,8 +36,16 @@ from fx_precision.contract.attention_tiles import ONE_TILE, KvTiling, RowTiles, 
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.errors import PrecisionError
 
-if TYPE_CHECKING:
-    from fx_precision.dump import Sequence as TokenSequence
+
+class TokenSequence(Protocol):
+    """What a plan reads of a dump's sequence (``dump.Sequence``): its tokens, prompt then generated. A protocol, not
+    an import: the dump reads this module's plans, so the plans do not import the dump."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]: ...
+
+    @property
+    def prompt_len(self) -> int: ...
 
 
 @dataclass(frozen=True)
