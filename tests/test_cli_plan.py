@@ -44,3 +44,19 @@ def test_plan_with_a_misspelt_rule_exits_nonzero_and_suggests() -> None:
     out = run_cli("plan", "--model", "qwen3_5-tiny", "--rules", "*embed_tokenz=bf16")
     assert out.returncode != 0
     assert "*embed_tokenz=bf16" in out.stderr and "model.embed_tokens" in out.stderr
+
+
+def test_the_cli_is_its_table_of_verbs() -> None:
+    """Every subcommand the parser knows is one entry of VERBS (no verb added beside the table), each runs the
+    function its entry names, and its runner and flags sit in the module of its half (tools/cli/<half>_verbs.py)."""
+    import argparse
+
+    from fx_precision.tools.cli import VERBS, build_parser
+
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    assert list(sub.choices) == [v.name for v in VERBS]
+    for verb in VERBS:
+        assert sub.choices[verb.name].get_default("handler") is verb.run, verb.name
+        assert verb.run.__module__ == verb.flags.__module__, verb.name
+        assert verb.run.__module__.rsplit(".", 1)[-1].endswith("_verbs"), verb.name
