@@ -229,7 +229,8 @@ def test_bitwise_means_bit_patterns_a_negative_zero_is_not_zero() -> None:
     number and not bitwise; the sequence holding it is not bitwise either."""
     import torch
 
-    from fx_precision.compare import bit_equal, logprob_metrics
+    from fx_precision.bit_equality import bit_equal
+    from fx_precision.compare import logprob_metrics
     from fx_precision.dump import Dump, Sequence
 
     a, b = Dump("M"), Dump("M")
