@@ -202,7 +202,7 @@ def test_amx_attention_16_rows_per_tile_is_the_one_row_reference_bit_for_bit() -
     """The AMX kernel runs 16 query rows per tile (keys a row does not see enter with p = 0); every row must be
     the bits of the one-row reference, the engine's order, on every mask form: causal, window, padding, boolean
     masks per head, decode offsets, GQA, head dims of 32 to 128, and scores large enough to underflow exp."""
-    from fx_precision.contract.ops import _require_amx
+    from fx_precision.contract.ops.attention import _require_amx
 
     if not engine_kernels().cpu_has_amx():
         with pytest.raises(PrecisionError, match="this CPU has no AMX"):
@@ -232,7 +232,7 @@ def test_amx_attention_16_rows_per_tile_is_the_one_row_reference_bit_for_bit() -
 def test_a_mask_that_is_the_causal_range_runs_as_the_range() -> None:
     """transformers hands sdpa its causal mask as a tensor: the op runs it as causal=True with no mask (the same
     keys, no per-key reads), and keeps any mask that blocks more, row by row."""
-    from fx_precision.contract.ops import _mask_as_range
+    from fx_precision.contract.ops.attention import _mask_as_range
 
     T = S = 6
     causal = torch.ones(T, S, dtype=torch.bool).tril()[None, None].expand(2, 1, T, S)

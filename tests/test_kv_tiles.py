@@ -86,7 +86,7 @@ def _bf16(x: float) -> float:
 
 def _reference_row(q: list[float], keys: list[list[float]], values: list[list[float]], scale: float,
                    parts: tuple[tuple[int, int, int, int], ...]) -> list[float]:  # fmt: skip
-    """One causal row over ``keys`` (all of them its own) as engine_kernels.cpp's comment describes vec attention
+    """One causal row over ``keys`` (all of them its own) as attention_kernels.cpp's comment describes vec attention
     (fma scores, glibc expf, the AVX-512 lane reduction, fp32 P, fused P.V, a nearest-even store), with KV tiles and
     split-KV parts: a scalar transcription, float32 rounding after every operation (double rounding of one add,
     multiply or divide of floats is exact)."""

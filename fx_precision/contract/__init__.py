@@ -77,7 +77,7 @@ def _object(data: object, where: str, names: tuple[str, ...]) -> dict[str, Any]:
 
 @dataclass(frozen=True)
 class AttentionArithmetic:
-    """One variant of the engine's CPU attention kernel (see ``contract/engine_kernels.cpp``)."""
+    """One variant of the engine's CPU attention kernel (see ``contract/attention_kernels.cpp``)."""
 
     scores: Scores = Scores.AMX
     exp: Exp = Exp.LIBM

@@ -1,12 +1,14 @@
 """The engine's CPU kernels as a small native library: built at first use, loaded with ctypes.
 
-    engine_kernels.cpp + gdn_kernels.cpp ──g++ -O2 -shared──▶ <cache>/engine_kernels-<hash of sources, flags, compiler>.so
-        fxp_attention            attention in the engine's arithmetic (AMX tiles, or the vector variants)
-        fxp_linear               a linear in one of the engine's GEMM orders (AMX chunks, VDPBF16PS pairs, torch's lanes)
-        fxp_chunk_dots, fxp_order_fold, fxp_product_fold     the linear probe's candidates, output by output
-        fxp_fused_moe            mixture-of-experts experts in the engine's arithmetic (vLLM's CPU fused experts)
-        fxp_gdn_*                GatedDeltaNet's conv, gating and delta rule (gdn_kernels.cpp; contract/gdn.py calls them)
-        fxp_cpu_has_*            what this CPU runs
+    one file per op family, sharing engine_kernels.h ──g++ -O2 -shared──▶ <cache>/engine_kernels-<hash of sources,
+    headers, flags, compiler>.so
+        attention_kernels.cpp  fxp_attention     attention in the engine's arithmetic (AMX tiles, or the vector variants);
+                               fxp_cpu_has_*     what this CPU runs
+        linear_kernels.cpp     fxp_linear        a linear in one of the engine's GEMM orders (AMX chunks, VDPBF16PS pairs,
+                                                 torch's lanes); fxp_chunk_dots, fxp_order_fold, fxp_product_fold: the linear
+                                                 probe's candidates, output by output
+        moe_kernels.cpp        fxp_fused_moe     mixture-of-experts experts in the engine's arithmetic (vLLM's CPU fused experts)
+        gdn_kernels.cpp        fxp_gdn_*         GatedDeltaNet's conv, gating and delta rule (contract/gdn.py calls them)
 
 The library includes no torch or Python headers, so it builds in a second or two with any C++17
 compiler (``$CXX``, else ``g++``); tensors cross as raw pointers, and every argument is checked here
@@ -34,7 +36,9 @@ import torch
 from fx_precision.contract.vocabulary import MOE_COMBINES, MOE_EXPS, MOE_STORES
 from fx_precision.errors import PrecisionError
 
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("engine_kernels.cpp", "gdn_kernels.cpp"))  # one file per op family
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention_kernels.cpp", "linear_kernels.cpp", "moe_kernels.cpp",
+                                                               "gdn_kernels.cpp"))  # fmt: skip
+HEADERS = (Path(__file__).with_name("engine_kernels.h"),)  # what the sources share (in the build's key too)  # one file per op family
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only")
 _BUILD_LOCK = threading.Lock()
 _P = ctypes.c_void_p
@@ -84,7 +88,8 @@ def build_library() -> Path:
     """The kernels' shared library for this source, these flags and this compiler: built once, then reused."""
     cxx = _compiler()
     version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False).stdout.splitlines()[:1]
-    key = hashlib.sha256(b"".join(source.read_bytes() for source in SOURCES) + repr((FLAGS, version)).encode()).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in (*SOURCES, *HEADERS))
+    key = hashlib.sha256(sources + repr((FLAGS, version)).encode()).hexdigest()[:16]
     library = _cache_dir() / f"engine_kernels-{key}.so"
     if library.exists():
         return library
@@ -101,7 +106,7 @@ def build_library() -> Path:
 
 
 class LinearOrderStruct(ctypes.Structure):
-    """``FxpLinearOrder`` of engine_kernels.cpp: how the engine sums one output of a linear (contract/linear_order.py)."""
+    """``FxpLinearOrder`` of linear_kernels.cpp: how the engine sums one output of a linear (contract/linear_order.py)."""
 
     _fields_ = [
         ("kernel", ctypes.c_int32),
@@ -127,7 +132,7 @@ def order_struct(kernel: str, bias_first: bool, blocks: tuple[int, ...], parts: 
 
 
 class AttentionVariantStruct(ctypes.Structure):
-    """``FxpAttentionVariant`` of engine_kernels.cpp: one arithmetic of the engine's attention kernel."""
+    """``FxpAttentionVariant`` of attention_kernels.cpp: one arithmetic of the engine's attention kernel."""
 
     _fields_ = [(name, ctypes.c_int32) for name in ("scores", "exp", "lane_sum", "p_bf16", "fma", "store", "flush")]
 
@@ -286,14 +291,14 @@ class EngineKernels:
             )  # fmt: skip
         return out
 
-    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {  # the vocabulary's MoE forms -> engine_kernels.cpp's MOE_* bits
+    MOE_FORMS: ClassVar[dict[str, dict[str, int]]] = {  # the vocabulary's MoE forms -> moe_kernels.cpp's MOE_* bits
         "exp": dict(zip(MOE_EXPS, (0, 1), strict=True)), "store": dict(zip(MOE_STORES, (0, 2), strict=True)),
         "combine": dict(zip(MOE_COMBINES, (0, 4), strict=True)),
     }  # fmt: skip
 
     def fused_moe(self, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                   exp: str = "fast512", store: str = "nearest-even", combine: str = "fma") -> torch.Tensor:  # fmt: skip
-        """The engine's fused experts (engine_kernels.cpp, fxp_fused_moe): x [T, H], w13 [E, 2I, H] (gate rows, then up
+        """The engine's fused experts (moe_kernels.cpp, fxp_fused_moe): x [T, H], w13 [E, 2I, H] (gate rows, then up
         rows), w2 [E, H, I] bf16; the routes' weights [T, K] (fp32) and expert ids [T, K]; out [T, H] bf16, whatever
         this process's thread count. ``exp``, ``store``, ``combine``: the form of the engine's kernel build (MOE_FORMS;
         contract/moe.py)."""

@@ -19,12 +19,12 @@ each CPU family by ``rollout --isa``):
                 to the block's sum and then its even one; blocks of 512-1024 elements (AVX-512: 768, and 8 at
                 one row); SGL's small-batch kernel (AMX CPUs, small weights, <= 4 rows) is one block from the bias
     lanes       torch's own bf16 GEMM, where oneDNN refuses bf16 (AVX2) and vLLM falls back to F.linear: ATen's
-                AVX2 dot (8 accumulators of 8 lanes, a vector tail, a scalar tail; engine_kernels.cpp lanes_output),
+                AVX2 dot (8 accumulators of 8 lanes, a vector tail, a scalar tail; linear_kernels.cpp lanes_output),
                 one order for every row count and thread count
     gemv16      oneDNN's GEMV where the output is 1 wide (BRGEMV, avx512_core_bf16: Qwen2-MoE's shared-expert gate):
                 one register of 16 fp32 lanes, lane j the pair (2j, 2j+1) of each 32-element K block (odd product,
                 then even, each add flushed to zero if denormal), lanes reduced 16-8-4 and (t0+t1)+(t2+t3); one
-                order for every row count and thread count (engine_kernels.cpp gemv16_output)
+                order for every row count and thread count (linear_kernels.cpp gemv16_output)
 
     LinearOrder      (kernel, blocks, parts, bias_first, lanes): one order; ``struct()`` is its C form
     LinearCall       (out_features, in_features, rows) -> LinearOrder: what the probe read off the engine

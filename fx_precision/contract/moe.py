@@ -12,7 +12,7 @@
         backward  the router's derivative in fp32, written out (moe_route_backward): softmax's over the chosen logits, or
                   exp(logit - logsumexp)'s over all of them
     fxp_engine::fused_moe(x, w13, w2, weights, ids, exp, store, combine) -> bf16
-        forward   engine_kernels.cpp ``fxp_fused_moe``: per token and slot the gate and up FMA chains over H, SiLU(gate)
+        forward   moe_kernels.cpp ``fxp_fused_moe``: per token and slot the gate and up FMA chains over H, SiLU(gate)
                   * up with the build's exp stored to bf16, the down chain over I, and the slots combined in top-k
                   order (y0 * w0, then FMAs or multiply-adds), stored once (nearest even, or truncated)
         backward  plain fp32 experts math recomputed, its derivatives written out per expert (fused_moe_backward): of x,

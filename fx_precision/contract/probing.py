@@ -45,7 +45,7 @@ from fx_precision.contract.evidence import (
     linear_call_key,
 )
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
-from fx_precision.contract.ops import _rotate, engine_attention, round_to
+from fx_precision.contract.ops import engine_attention, rotate, round_to
 from fx_precision.contract.vocabulary import LogprobForm, NormForm, RotaryForm, Rounding
 
 if TYPE_CHECKING:
@@ -91,7 +91,7 @@ def match_rotary(
             half = rotary_dim // 2
             out = part * cos + torch.cat((-part[..., half:], part[..., :half]), dim=-1) * sin
         else:
-            out = round_to(_rotate(part, cos, sin), torch.bfloat16, op.rounding.code)  # type: ignore[union-attr]
+            out = round_to(rotate(part, cos, sin), torch.bfloat16, op.rounding.code)  # type: ignore[union-attr]
         return torch.cat((out, rest), dim=-1).reshape(tokens, -1)
 
     counts = {name: mismatches(rotated(q, op), got_q) + mismatches(rotated(k, op), got_k) for name, op in candidates.items()}

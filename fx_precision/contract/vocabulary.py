@@ -34,7 +34,7 @@ class Rounding(TextEnum):
 
     @property
     def code(self) -> int:
-        """The kernels' code for it (engine_kernels.cpp ``Store``)."""
+        """The kernels' code for it (attention_kernels.cpp ``Store``, in engine_kernels.h)."""
         return 0 if self is Rounding.NEAREST_EVEN else 1
 
 

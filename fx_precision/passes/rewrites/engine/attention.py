@@ -2,7 +2,7 @@
 
 scaled_dot_product_attention(q, k, v, attn_mask, scale, is_causal)
 ->  fxp_engine.attention(q^T, k^T, v^T, key lens, mask, scale, causal, window, offset, <arithmetic>)
-    the kernel's instruction, exp, lane sums, P's dtype and store (contract/ops.py, engine_kernels.cpp)
+    the kernel's instruction, exp, lane sums, P's dtype and store (contract/ops/attention.py, attention_kernels.cpp)
 unmatched: a graph with attention is refused with the probe's reason
 """
 
