@@ -107,14 +107,15 @@ def measure_onpolicy(root: Path, args: argparse.Namespace) -> list[dict[str, Any
     """The on-policy loop against the engine at its defaults, with the contract and as users run it (module docstring)."""
     from onpolicy import row as loop_row  # benchmarks/onpolicy.py
 
-    from fx_precision.onpolicy import OnPolicyConfig, run_onpolicy
+    from fx_precision.onpolicy import EngineLaunch, OnPolicyConfig, Sampling, Training, run_onpolicy
 
     checkpoint = write_tiny_checkpoint(args.onpolicy_arch, root / "ckpt-onpolicy", seed=5, overwrite=True)
     runs = {}
     for contract in ("vllm", "none"):
         cfg = OnPolicyConfig(checkpoint=str(checkpoint), out=str(root / f"onpolicy-{contract}"), steps=args.onpolicy_steps,
-                             samples=args.samples, temperature=0.7, world_size=2, compiled=True, contract=contract, mode="audit",
-                             engine_python=args.engine_python, engine_launch="defaults")  # fmt: skip
+                             mode="audit", sampling=Sampling(samples=args.samples, temperature=0.7),
+                             training=Training(world_size=2, compiled=True, contract=contract),
+                             engine=EngineLaunch(python=args.engine_python, launch="defaults"))  # fmt: skip
         runs[contract] = run_onpolicy(cfg)
     ratio = runs["vllm"].median_seconds("step") / runs["none"].median_seconds("step")
     name = f"tiny {args.onpolicy_arch}"

@@ -31,7 +31,7 @@ import torch
 from provenance import cpu_model, provenance  # benchmarks/provenance.py
 from tabulate import tabulate
 
-from fx_precision.onpolicy import OnPolicyConfig, OnPolicyRun, run_onpolicy
+from fx_precision.onpolicy import EngineLaunch, OnPolicyConfig, OnPolicyRun, Sampling, Training, run_onpolicy
 from fx_precision.onpolicy.report import plot, summary_line
 from fx_precision.tools.checkpoint import write_shaped_checkpoint, write_tiny_checkpoint
 
@@ -90,10 +90,12 @@ def main() -> None:
             checkpoint = write_tiny_checkpoint(args.arch, root / "ckpt", seed=5)
         for name in (*MODES, "replayed") if args.replay_routes else MODES:
             cfg = OnPolicyConfig(
-                checkpoint=str(checkpoint), out=str(root / f"run-{name}"), steps=args.steps,
-                prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")), samples=args.samples, max_tokens=args.max_tokens,
-                temperature=args.temperature, world_size=args.world_size, compiled=True, contract="none" if name == "replayed" else name,
-                mode="audit", engine_python=args.engine_python, replay_routes=name == "replayed", engine_launch=args.engine_launch,
+                checkpoint=str(checkpoint), out=str(root / f"run-{name}"), steps=args.steps, mode="audit",
+                sampling=Sampling(prompt_lens=tuple(int(n) for n in args.prompt_lens.split(",")), samples=args.samples,
+                                  max_tokens=args.max_tokens, temperature=args.temperature),
+                training=Training(world_size=args.world_size, compiled=True, contract="none" if name == "replayed" else name,
+                                  replay_routes=name == "replayed"),
+                engine=EngineLaunch(python=args.engine_python, launch=args.engine_launch),
             )  # fmt: skip
             runs[name] = run_onpolicy(cfg)
             print(summary_line(runs[name]), flush=True)

@@ -29,7 +29,7 @@ def _refusals(checkpoint: Path, prompts: list[list[int]], max_tokens: int, tmp_p
     from fx_precision.engines.adapter import RolloutConfig
     from fx_precision.engines.rollout import rollout_prompts
     from fx_precision.engines.serve import EngineServer
-    from fx_precision.onpolicy.config import OnPolicyConfig
+    from fx_precision.onpolicy.config import OnPolicyConfig, Sampling
     from fx_precision.onpolicy.loop import preflight
 
     (tmp_path / "prompts.json").write_text(json.dumps(prompts))
@@ -38,7 +38,7 @@ def _refusals(checkpoint: Path, prompts: list[list[int]], max_tokens: int, tmp_p
     calls = (
         lambda: rollout_prompts(str(checkpoint), str(tmp_path / "prompts.json"), (), 0, max_tokens, "vllm"),
         lambda: EngineServer().op_start(protocol.Start.of(RolloutConfig(str(checkpoint), tupled, max_tokens=max_tokens))),
-        lambda: preflight(OnPolicyConfig(str(checkpoint), str(tmp_path / "run"), prompts=tupled, max_tokens=max_tokens)),
+        lambda: preflight(OnPolicyConfig(str(checkpoint), str(tmp_path / "run"), sampling=Sampling(prompts=tupled, max_tokens=max_tokens))),
     )
     for call in calls:
         with pytest.raises(PrecisionError) as refused:

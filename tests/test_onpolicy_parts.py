@@ -14,7 +14,7 @@ import torch
 from fx_precision.dump import Sequence
 from fx_precision.errors import PrecisionError
 from fx_precision.onpolicy.batches import StepData, micro_batches
-from fx_precision.onpolicy.config import OnPolicyConfig
+from fx_precision.onpolicy.config import EngineLaunch, OnPolicyConfig, Sampling, Training
 from fx_precision.onpolicy.grpo import group_advantages, grpo_token_loss, ratio_stats
 from fx_precision.onpolicy.metrics import STANDARD_NAMES, Certificate, FirstMismatch, OnPolicyRun, StepMetrics, certify
 from fx_precision.onpolicy.run_dir import RunDir
@@ -193,13 +193,17 @@ def test_a_checkpoint_with_non_finite_weights_is_found_tensor_by_tensor(tmp_path
 
 
 @pytest.mark.parametrize(
-    ("field", "value", "needle"),
-    [("samples", 0, "--samples 0"), ("steps", 0, "--steps 0"), ("contract", "sglang", "--contract"), ("mode", "loose", "--mode"),
-     ("lr", 0.0, "--lr"), ("micro_batch", True, "--micro-batch")],
+    ("section", "field", "value", "needle"),
+    [(Sampling, "samples", 0, "--samples 0"), (OnPolicyConfig, "steps", 0, "--steps 0"), (Training, "contract", "sglang", "--contract"),
+     (OnPolicyConfig, "mode", "loose", "--mode"), (Training, "lr", 0.0, "--lr"), (Training, "micro_batch", True, "--micro-batch"),
+     (EngineLaunch, "threads", -1, "--engine-threads -1"), (EngineLaunch, "launch", "fast", "--engine-launch 'fast'"),
+     (Sampling, "max_tokens", 0, "--max-tokens 0")],
 )  # fmt: skip
-def test_a_bad_config_is_one_error_naming_the_flag(field: str, value: object, needle: str) -> None:
+def test_a_bad_config_is_one_error_naming_the_flag(section: type, field: str, value: object, needle: str) -> None:
+    """Each section checks its own fields when it is made, the run its own: one line naming the flag."""
+    run = {"checkpoint": "ckpt", "out": "out"} if section is OnPolicyConfig else {}
     with pytest.raises(PrecisionError, match=needle.replace("-", r"\-")):
-        OnPolicyConfig(checkpoint="ckpt", out="out", **{field: value})  # type: ignore[arg-type]
+        section(**run, **{field: value})
 
 
 def test_engine_calls_have_limits_from_what_they_are() -> None:
@@ -238,10 +242,10 @@ def test_greedy_sampling_of_a_group_is_refused_before_an_engine_starts() -> None
     from fx_precision.engines.adapter import RolloutConfig
 
     with pytest.raises(PrecisionError, match="--temperature 0 is greedy"):
-        OnPolicyConfig(checkpoint="ckpt", out="out", temperature=0.0, samples=4)
+        Sampling(temperature=0.0, samples=4)
     with pytest.raises(PrecisionError, match="--samples 3 would repeat it"):
         RolloutConfig(model="ckpt", prompts=((1, 2, 3, 4, 5),), temperature=0.0, samples=3)
-    assert OnPolicyConfig(checkpoint="ckpt", out="out", temperature=0.0, samples=1).samples == 1
+    assert OnPolicyConfig(checkpoint="ckpt", out="out", sampling=Sampling(temperature=0.0, samples=1)).sampling.samples == 1
 
 
 def test_the_plot_draws_reward_and_mismatch_per_step(tmp_path: Path) -> None:
@@ -272,7 +276,7 @@ def test_module_records_against_the_compiled_engine_are_refused_before_an_engine
     with pytest.raises(PrecisionError, match=r"--modules with --launch defaults: .*\(--launch eager\)$"):
         RolloutConfig(model="ckpt", prompts=((1, 2, 3),), modules=True, launch="defaults")
     with pytest.raises(PrecisionError, match=r"--modules with --engine-launch defaults: .*\(--engine-launch eager\)$"):
-        OnPolicyConfig(checkpoint="ckpt", out="out", prompt_lens=(8,), modules=True, engine_launch="defaults", compiled=True)
+        OnPolicyConfig(checkpoint="ckpt", out="out", modules=True, sampling=Sampling(prompt_lens=(8,)))
     assert RolloutConfig(model="ckpt", prompts=((1, 2, 3),), modules=True, launch="eager").modules
 
 
@@ -302,12 +306,18 @@ def test_the_onpolicy_cli_and_its_python_api_run_one_loop_by_default() -> None:
     from fx_precision.onpolicy import OnPolicyConfig
     from fx_precision.tools.cli import build_parser, onpolicy_config
 
-    eager = {"engine_launch": "eager"}
-    cases = (([], {}), (["--engine-launch", "eager"], eager), (["--no-compiled", "--engine-launch", "eager"], {**eager, "compiled": False}))
+    eager = {"engine": EngineLaunch(launch="eager")}
+    cases = (
+        ([], {}),
+        (["--engine-launch", "eager"], eager),
+        (["--no-compiled", "--engine-launch", "eager"], {**eager, "training": Training(compiled=False)}),
+    )
     for flags, fields in cases:
         args = build_parser().parse_args(["onpolicy", "--model", "ckpt", "--out", "run", *flags])
-        assert onpolicy_config(args) == OnPolicyConfig(checkpoint="ckpt", out="run", **fields), flags
+        assert onpolicy_config(args) == OnPolicyConfig(checkpoint="ckpt", out="run", **fields), flags  # type: ignore[arg-type]
     api = OnPolicyConfig(checkpoint="ckpt", out="run")
-    assert (api.engine_launch, api.compiled, api.engine_threads) == ("defaults", True, 0)
+    assert (api.engine.launch, api.training.compiled, api.engine.threads) == ("defaults", True, 0)
     with pytest.raises(PrecisionError, match=r"--engine-launch defaults with --contract vllm: .* drop --no-compiled"):
-        OnPolicyConfig(checkpoint="ckpt", out="run", compiled=False)
+        OnPolicyConfig(checkpoint="ckpt", out="run", training=Training(compiled=False))
+    record = api.to_record()  # the run's JSON: one flat mapping of the flags' names
+    assert (record["engine_launch"], record["samples"], record["contract"], record["engine"]) == ("defaults", 4, "vllm", "vllm")

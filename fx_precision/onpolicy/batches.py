@@ -3,7 +3,7 @@
 micro_batches(data, plans, orders, rank, world, size, length)   rank r's sequences (r, r + R, ...), right-padded to
                                                                one shape (one compiled graph), the same count on
                                                                every rank (FSDP2's gathers are collectives)
-forward_logprobs(side, batch, form, T, top_k, top_p)          [rows, length - 1] log-probs of every next token in
+forward_logprobs(side, batch, form, sampling)                  [rows, length - 1] log-probs of every next token in
                                                                the form the contract read off the engine
 """
 
@@ -22,6 +22,7 @@ if TYPE_CHECKING:
     from fx_precision.contract.batch_rows import EngineRows, RowPlan
     from fx_precision.contract.linear_order import LinearOrders
     from fx_precision.dump import Sequence as TokenSequence
+    from fx_precision.onpolicy.config import Sampling
     from fx_precision.training_side import TrainingSide
 
 
@@ -84,11 +85,10 @@ def micro_batches(data: StepData, plans: Sequence[RowPlan] | None, orders: Linea
     return batches
 
 
-def forward_logprobs(side: TrainingSide, batch: MicroBatch, form: LogprobForm, temperature: float, top_k: int = 0,
-                     top_p: float = 1.0) -> torch.Tensor:  # fmt: skip
+def forward_logprobs(side: TrainingSide, batch: MicroBatch, form: LogprobForm, sampling: Sampling) -> torch.Tensor:
     """[rows, length - 1] log-probs of every next token, in ``form`` (the contract's: the log-probs the engine returned)
-    after the sampler's ``temperature``, ``top_k`` and ``top_p`` where the form is processed (logprobs.py)."""
+    after the sampler's temperature, top-k and top-p (``sampling``) where the form is processed (logprobs.py)."""
     from fx_precision.logprobs import token_logprobs
 
     logits = side.logits(batch.ids, batch.rows)
-    return token_logprobs(logits, batch.ids, form, temperature, batch.prompt_lens, top_k, top_p)
+    return token_logprobs(logits, batch.ids, form, sampling.temperature, batch.prompt_lens, sampling.top_k, sampling.top_p)

@@ -42,13 +42,14 @@ class EngineSide:
 
         self.cfg = cfg
         self.fixed = synthetic_prompts(vocab, (FIXED_PROMPT_LEN,), 7)  # the same sequence every step
+        sampling, engine = cfg.sampling, cfg.engine
         rollout = RolloutConfig(
-            model=cfg.checkpoint, prompts=cfg.step_prompts(vocab, 0), engine=cfg.engine, max_tokens=cfg.max_tokens, seed=cfg.seed,
-            temperature=cfg.temperature, samples=cfg.samples, threads=cfg.engine_threads, logprobs="processed",
-            split_kv="default" if cfg.engine_launch == "defaults" else "off",
-            max_model_len=cfg.engine_positions(), launch=cfg.engine_launch, prompt_logprobs=cfg.engine_launch == "eager",
+            model=cfg.checkpoint, prompts=sampling.step_prompts(vocab, 0), engine=engine.name, max_tokens=sampling.max_tokens,
+            seed=sampling.seed, temperature=sampling.temperature, samples=sampling.samples, threads=engine.threads,
+            logprobs="processed", split_kv="off" if engine.eager else "default", max_model_len=sampling.engine_positions(),
+            launch=engine.launch, prompt_logprobs=engine.eager,
         )  # fmt: skip
-        self.process = EngineProcess(python, rollout, root / "engine.log", EngineTimeouts(float(cfg.engine_timeout)))
+        self.process = EngineProcess(python, rollout, root / "engine.log", EngineTimeouts(float(cfg.engine.timeout)))
         self.weights: dict[str, torch.Tensor] = {}
         self.first_contract: EngineContract | None = None
         self._last: Generation | None = None
@@ -73,8 +74,16 @@ class EngineSide:
 
     def rollout(self, prompts: tuple[tuple[int, ...], ...], step: int) -> StepData:
         cfg = self.cfg
-        prompt_logprobs = cfg.engine_launch == "eager"  # at the engine's defaults none: as users sample
-        request = SamplingRequest(prompts, cfg.max_tokens, cfg.temperature, cfg.samples, prompt_logprobs, top_k=cfg.top_k, top_p=cfg.top_p)
+        prompt_logprobs = cfg.engine.eager  # at the engine's defaults none: as users sample
+        request = SamplingRequest(
+            prompts,
+            cfg.sampling.max_tokens,
+            cfg.sampling.temperature,
+            cfg.sampling.samples,
+            prompt_logprobs,
+            top_k=cfg.sampling.top_k,
+            top_p=cfg.sampling.top_p,
+        )
         self._last = self.process.generate(request)
         g = self._last
         routes: dict[str, object] | None = {k: g.extra[k] for k in ("moe", "routes", "routes_missing") if k in g.extra} or None
@@ -111,8 +120,9 @@ class EngineSide:
         staging = run_dir.staging(step)
         try:
             run_dir.write_checkpoint(staging, self.weights, self.cfg.checkpoint)
-            self.process.dump_last(str(staging / "rollout"), modules=modules, seed=self.cfg.seed, samples=self.cfg.samples,
-                                   probe=self.cfg.contract == "vllm")  # fmt: skip
+            sampling = self.cfg.sampling
+            self.process.dump_last(str(staging / "rollout"), modules=modules, seed=sampling.seed, samples=sampling.samples,
+                                   probe=self.cfg.training.contract == "vllm")  # fmt: skip
         except BaseException:
             shutil.rmtree(staging, ignore_errors=True)  # DIR keeps the last complete step
             raise

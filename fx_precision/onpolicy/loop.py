@@ -74,28 +74,29 @@ def preflight(cfg: OnPolicyConfig) -> tuple[int, str]:
     from fx_precision.engines.client import engine_python
     from fx_precision.engines.preflight import engine_preflight
 
-    checked = engine_preflight(cfg.checkpoint, cfg.engine, live=True, finite=True)
+    checked = engine_preflight(cfg.checkpoint, cfg.engine.name, live=True, finite=True)
     config = checked.checkpoint.config
-    if not cfg.compiled and cfg.micro_batch > 1 and gdn_layer_count(config):
+    if not cfg.training.compiled and cfg.training.micro_batch > 1 and gdn_layer_count(config):
         raise PrecisionError(
-            f"--no-compiled with --micro-batch {cfg.micro_batch}: {cfg.checkpoint} has GatedDeltaNet layers, whose backward under "
+            f"--no-compiled with --micro-batch {cfg.training.micro_batch}: {cfg.checkpoint} has GatedDeltaNet layers, whose backward under "
             "aot_eager fails at a batch of 2 or more (an upstream torch / transformers bug); drop --no-compiled (Inductor) or pass "
             "--micro-batch 1"
         )
-    if config_moe(config) is None and cfg.replay_routes:
+    if config_moe(config) is None and cfg.training.replay_routes:
         raise PrecisionError(f"--replay-routes: {cfg.checkpoint} is a dense model (its config names no expert count): drop the flag")
-    if cfg.prompts is not None:
-        checked.check_prompts(cfg.prompts, cfg.max_tokens)
+    sampling = cfg.sampling
+    if sampling.prompts is not None:
+        checked.check_prompts(sampling.prompts, sampling.max_tokens)
     else:
-        checked.check_prompt_lens(cfg.prompt_lens)
-        checked.check_prompts(cfg.step_prompts(checked.vocab, 0), cfg.max_tokens)
-    if cfg.engine_positions() > checked.positions:
+        checked.check_prompt_lens(sampling.prompt_lens)
+        checked.check_prompts(sampling.step_prompts(checked.vocab, 0), sampling.max_tokens)
+    if sampling.engine_positions() > checked.positions:
         raise PrecisionError(
-            f"the run needs {cfg.engine_positions()} positions (the longest prompt, at least the loop's fixed {FIXED_PROMPT_LEN}-token "
-            f"one, plus --max-tokens {cfg.max_tokens}, plus the one token a step's record samples), over the {checked.positions} of "
-            f"{cfg.checkpoint}: shorten the prompts or sample fewer"
+            f"the run needs {sampling.engine_positions()} positions (the longest prompt, at least the loop's fixed "
+            f"{FIXED_PROMPT_LEN}-token one, plus --max-tokens {sampling.max_tokens}, plus the one token a step's record samples), "
+            f"over the {checked.positions} of {cfg.checkpoint}: shorten the prompts or sample fewer"
         )
-    return checked.vocab, engine_python(cfg.engine_python)
+    return checked.vocab, engine_python(cfg.engine.python)
 
 
 def run_onpolicy(cfg: OnPolicyConfig) -> OnPolicyRun:
@@ -110,7 +111,7 @@ def run_onpolicy(cfg: OnPolicyConfig) -> OnPolicyRun:
     with stop_on_signals():
         run_dir = RunDir.create(cfg.out, overwrite=cfg.overwrite, sources=(cfg.checkpoint,))
         try:
-            results = run_on_ranks(_rank_main, cfg.world_size, cfg, python, str(run_dir.root), vocab)
+            results = run_on_ranks(_rank_main, cfg.training.world_size, cfg, python, str(run_dir.root), vocab)
         finally:
             run_dir.release()
             remove_stale(memory_backed_dir()[0])  # a weights file whose owner (rank 0's engine client) was killed
@@ -217,11 +218,11 @@ def sync_engine(r: Rank, s: StepState) -> None:
 
 def roll_out(r: Rank, s: StepState) -> None:
     s.fixed = r.running.fixed_logprobs()
-    s.data = r.running.rollout(r.cfg.step_prompts(r.vocab, s.step), s.step)
+    s.data = r.running.rollout(r.cfg.sampling.step_prompts(r.vocab, s.step), s.step)
 
 
 def read_contract(r: Rank, s: StepState) -> None:
-    if r.cfg.contract == "vllm":
+    if r.cfg.training.contract == "vllm":
         s.data.contract = r.running.contract(s.step)
 
 
@@ -236,9 +237,9 @@ def build_side(r: Rank, s: StepState) -> None:
         return
     from fx_precision.training_side import AsUsersRunIt, RunConfig, build_training_side
 
-    r.side = build_training_side(RunConfig(r.cfg.checkpoint, policy=AsUsersRunIt(), contract=s.data.contract, compiled=r.cfg.compiled,
-                                           train=True), r.mesh)  # fmt: skip
-    r.optimizer = torch.optim.AdamW(r.side.model.parameters(), lr=r.cfg.lr, betas=(0.9, 0.99), weight_decay=0.0)
+    side = RunConfig(r.cfg.checkpoint, policy=AsUsersRunIt(), contract=s.data.contract, compiled=r.cfg.training.compiled, train=True)
+    r.side = build_training_side(side, r.mesh)
+    r.optimizer = torch.optim.AdamW(r.side.model.parameters(), lr=r.cfg.training.lr, betas=(0.9, 0.99), weight_decay=0.0)
     if r.lead:
         r.record.contract = s.data.contract.describe() if s.data.contract is not None else None
 
@@ -255,17 +256,17 @@ def recompute(r: Rank, s: StepState) -> None:
     from fx_precision.training_side import compile_limits
 
     data = s.data
-    engine = {"steps": data.steps, "logits_calls": data.logits_calls, "prompt_logprobs": r.cfg.engine_launch == "eager"}
+    engine = {"steps": data.steps, "logits_calls": data.logits_calls, "prompt_logprobs": r.cfg.engine.eager}
     contract = data.contract
     plans = row_plans(data.sequences, engine, tiling=contract.kv_tiling, gdn=contract.gdn is not None) if contract else None
     orders = data.contract.linears if data.contract is not None else None
-    s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.micro_batch, r.cfg.longest())
-    if r.cfg.replay_routes:
-        s.routes = step_routes(data, s.batches, r.cfg.longest())
+    s.batches = micro_batches(data, plans, orders, r.rank, r.world, r.cfg.training.micro_batch, r.cfg.sampling.longest())
+    if r.cfg.training.replay_routes:
+        s.routes = step_routes(data, s.batches, r.cfg.sampling.longest())
     with compile_limits(8), torch.no_grad():
         for b, batch in enumerate(s.batches):
             with _routes(s, b):
-                lp = forward_logprobs(r.trainer[0], batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
+                lp = forward_logprobs(r.trainer[0], batch, _logprob_form(data), r.cfg.sampling)
             for row, i in enumerate(batch.index):
                 if i >= 0:
                     s.recompute[i] = lp[row].clone()
@@ -307,14 +308,14 @@ def train(r: Rank, s: StepState) -> None:
     from fx_precision.training_side import compile_limits
 
     data = s.data
-    s.rewards = [r.cfg.task.reward(seq.tokens[seq.prompt_len :]) for seq in data.sequences]
-    advantages = group_advantages(s.rewards, r.cfg.samples)
+    s.rewards = [r.cfg.training.task.reward(seq.tokens[seq.prompt_len :]) for seq in data.sequences]
+    advantages = group_advantages(s.rewards, r.cfg.sampling.samples)
     generated = sum(len(seq.tokens) - seq.prompt_len for seq in data.sequences)
     r.trainer[1].zero_grad(set_to_none=True)
     with compile_limits(8):
         for b, batch in enumerate(s.batches):
             with _routes(s, b):
-                lp = forward_logprobs(r.trainer[0], batch, _logprob_form(data), r.cfg.temperature, r.cfg.top_k, r.cfg.top_p)
+                lp = forward_logprobs(r.trainer[0], batch, _logprob_form(data), r.cfg.sampling)
             rollout_lp = torch.zeros_like(lp)
             weight = torch.zeros_like(lp)
             for row, i in enumerate(batch.index):
@@ -348,9 +349,9 @@ def certify_step(r: Rank, s: StepState) -> None:
     if not r.lead:
         return
     recomputed = {i: v for part in gathered for i, v in part[0].items()}
-    found = certify(s.data, recomputed, {i: v for part in gathered for i, v in part[1].items()}, r.cfg.engine_launch == "eager")
+    found = certify(s.data, recomputed, {i: v for part in gathered for i, v in part[1].items()}, r.cfg.engine.eager)
     loss = sum(part[2] for part in gathered)
-    samples = r.cfg.samples
+    samples = r.cfg.sampling.samples
     signal = sum(1 for g in range(0, len(s.rewards), samples) if len(set(s.rewards[g : g + samples])) > 1)
     s.metrics = StepMetrics(s.step, len(s.data.sequences), found, statistics.fmean(s.rewards) if s.rewards else math.nan, loss,
                             s.fixed, s.digest, {}, signal, _non_finite(found, loss, s.rewards))  # fmt: skip
@@ -383,7 +384,7 @@ def _why_stop(cfg: OnPolicyConfig, m: StepMetrics, root: Path) -> str | None:
         f"step {m.step}: {m.mismatches} of {m.tokens} sampled log-prob(s) differ; first at sequence {first.sequence}, "
         f"token {first.token} (id {first.token_id}): rollout {first.rollout!r}, recompute {first.recompute!r}, first "
         f"training forward {first.first_forward!r}. {root}/last holds the step: fx-precision compare --model "
-        f"{root}/last/checkpoint --rollout {root}/last/rollout{' --contract vllm' if cfg.contract == 'vllm' else ''} names where "
+        f"{root}/last/checkpoint --rollout {root}/last/rollout{' --contract vllm' if cfg.training.contract == 'vllm' else ''} names where "
         "the two sides part" + ("" if cfg.modules else " (run with --modules to record the engine's modules for the first origin)")
     )
 
@@ -450,8 +451,8 @@ def _rank_main(rank: int, world: int, cfg: OnPolicyConfig, python: str, root: st
     from fx_precision.ranks import cpu_mesh
 
     torch.set_num_threads(max(1, int(os.environ.get("FXP_TRAINER_THREADS", "1"))))
-    described = {"task": cfg.task.describe(), "prompts": None if cfg.prompts is None else len(cfg.prompts)}
-    record = OnPolicyRun(dataclasses.asdict(cfg) | described, {}, None, [])
+    described = {"task": cfg.training.task.describe(), "prompts": None if cfg.sampling.prompts is None else len(cfg.sampling.prompts)}
+    record = OnPolicyRun(cfg.to_record() | described, {}, None, [])
     r = Rank(rank, world, cfg, vocab, Path(root), [t.name for t in stored_tensors(cfg.checkpoint)], cpu_mesh(world), record)
     try:
         r.engine = _start_engine(r, python)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fx_precision.engines import live_engines
 from fx_precision.engines.adapter import DEFAULT_LAUNCH, LAUNCHES, RolloutConfig
@@ -27,6 +27,8 @@ from fx_precision.tools.cli.args import (
 )
 
 if TYPE_CHECKING:
+    from fx_precision.onpolicy import OnPolicyConfig
+
     pass
 
 
@@ -228,20 +230,19 @@ ROLLOUT = Verb(
 )
 
 
-def onpolicy_config(args: argparse.Namespace) -> Any:
+def onpolicy_config(args: argparse.Namespace) -> OnPolicyConfig:
     """The OnPolicyConfig of ``fx-precision onpolicy``'s arguments (the API's defaults where a flag is left out)."""
     from fx_precision.engines.prompts import read_prompts
-    from fx_precision.onpolicy import OnPolicyConfig
+    from fx_precision.onpolicy import EngineLaunch, OnPolicyConfig, Sampling, Training
 
-    return OnPolicyConfig(
-        checkpoint=args.model, out=args.out, steps=args.steps, prompts=read_prompts(args.prompts) if args.prompts else None,
-        prompt_lens=tuple(args.prompt_lens), samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature,
-        top_k=args.top_k, top_p=args.top_p,
-        world_size=args.world_size, compiled=args.compiled, contract=args.contract, mode=args.mode, lr=args.lr,
-        micro_batch=args.micro_batch, seed=args.seed, engine_python=args.engine_python, engine_threads=args.engine_threads,
-        engine_launch=args.engine_launch,
-        engine_timeout=args.engine_timeout, modules=args.modules, overwrite=args.overwrite, replay_routes=args.replay_routes,
-    )  # fmt: skip
+    sampling = Sampling(prompts=read_prompts(args.prompts) if args.prompts else None, prompt_lens=tuple(args.prompt_lens),
+                        samples=args.samples, max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                        top_p=args.top_p, seed=args.seed)  # fmt: skip
+    training = Training(world_size=args.world_size, compiled=args.compiled, contract=args.contract, lr=args.lr,
+                        micro_batch=args.micro_batch, replay_routes=args.replay_routes)  # fmt: skip
+    engine = EngineLaunch(python=args.engine_python, threads=args.engine_threads, launch=args.engine_launch, timeout=args.engine_timeout)
+    return OnPolicyConfig(checkpoint=args.model, out=args.out, steps=args.steps, mode=args.mode, modules=args.modules,
+                          overwrite=args.overwrite, sampling=sampling, training=training, engine=engine)  # fmt: skip
 
 
 def cmd_onpolicy(args: argparse.Namespace) -> int:
@@ -255,9 +256,9 @@ def cmd_onpolicy(args: argparse.Namespace) -> int:
     if run.stopped is not None and cfg.modules:
         from fx_precision.tools.train_side import name_first_origin
 
-        name_first_origin(run, contract=cfg.contract == "vllm")
+        name_first_origin(run, contract=cfg.training.contract == "vllm")
     if args.plot is not None:
-        plot([(f"--contract {cfg.contract}", run)], args.plot)
+        plot([(f"--contract {cfg.training.contract}", run)], args.plot)
     stop = (f"\nstopped: {run.stopped}" if run.stopped else "") + (f"\n{origin_line(run)}" if origin_line(run) else "")
     emit(args, run.to_dict(), lambda: f"{table(run)}\n{summary_line(run)}{stop}")
     return 1 if run.stopped else 0
