@@ -139,3 +139,20 @@ def test_the_tested_transformers_range_is_one_range_everywhere() -> None:
     readme = re.findall(r"pip install transformers==([\d.]+)", (root / "README.md").read_text())
     assert ci and readme and {*ci, *readme} == {f"{floor}.0" if floor.count(".") == 1 else floor}, (floor, ci, readme)
     assert TESTED_TRANSFORMERS.startswith(ci[0] + " to "), TESTED_TRANSFORMERS
+
+
+def test_no_tool_resets_dynamo_in_the_callers_process() -> None:
+    """A reset drops every compiled frame of the process, the caller's too: the sweep, the bench and the comparator's taps
+    compile with backends of their own instead (Dynamo keeps a frame per backend, so each traces afresh)."""
+    import ast
+    from pathlib import Path
+
+    import fx_precision
+
+    resets = ("torch._dynamo", "torch.compiler", "_dynamo")
+    found = []
+    for path in Path(fx_precision.__file__).parent.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Attribute) and node.attr == "reset" and ast.unparse(node.value) in resets:
+                found.append(f"{path.name}:{node.lineno}")
+    assert not found, found

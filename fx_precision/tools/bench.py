@@ -50,6 +50,7 @@ from fx_precision.policy import PrecisionPolicy
 from fx_precision.spec import parse_precision_rules
 from fx_precision.tools.kernel_census import census_of_code, per_token_size, summary
 from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch, vocab_size
+from fx_precision.training_side import compile_limits
 
 EMBED_RULE = "<input embeddings>=bf16"  # by role: input_embedding_fqns(model), whatever they are named
 EXPERTS_RULE = "<stacked MoE experts>=bf16"  # by what they hold: archs.moe_experts (where the model has them)
@@ -232,8 +233,18 @@ def _timed_steps(
     return times, first_step
 
 
+def inductor() -> Callable[..., Any]:
+    """Default Inductor as a backend object of its own: Dynamo keeps a compiled frame for the backend that compiled it, so
+    each variant's model is traced afresh (the hooks of an eager fix in it) without resetting Dynamo."""
+    from torch._inductor.compile_fx import compile_fx
+
+    def backend(gm: torch.fx.GraphModule, example_inputs: list[Any]) -> Any:
+        return compile_fx(gm, example_inputs)
+
+    return backend
+
+
 def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, steps: int, device: str, warmup: int = 1) -> dict[str, Any]:
-    torch._dynamo.reset()
     gc.collect()
     if device == "cuda":
         torch.cuda.empty_cache()
@@ -251,15 +262,14 @@ def run_variant(variant: Variant, *, model_name: str, batch: int, seq_len: int, 
         from fx_precision.eager_fix import eager_casts
 
         hooks = eager_casts(model, ids, policy=PrecisionPolicy(compute=torch.bfloat16), **kwargs).apply(model)
-        torch._dynamo.reset()
     if variant.per_block:
         from fx_precision.fsdp import layer_wrap_globs
 
         for glob in layer_wrap_globs(model):
             for layer in model.get_submodule(glob.removesuffix(".*")).children():
-                layer.compile(backend=backend or "inductor")  # in place: the FSDP2 style, one graph per block
+                layer.compile(backend=backend or inductor(), dynamic=False)  # in place: the FSDP2 style, one graph per block
     elif variant.compiled:
-        forward = torch.compile(model, backend=backend or "inductor")
+        forward = torch.compile(model, backend=backend or inductor(), dynamic=False)
     fix = gathered_eagerly(model, plan) if variant.gather_eagerly else contextlib.nullcontext()
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
     saved = _SavedBytes(params, batch * seq_len, {tuple(p.shape) for p in model.parameters()})
@@ -312,8 +322,9 @@ def run_benchmark(
     import torch._functorch.config as functorch_config
     import torch._inductor.config as inductor_config
 
-    # every variant compiles from scratch: no FX-graph / AOT-autograd cache hits across variants
-    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False):
+    # every variant compiles from scratch: no FX-graph / AOT-autograd cache hits across variants, and each its own
+    # backend (a fresh Dynamo trace: no reset of the caller's Dynamo) within a recompile limit for them all
+    with inductor_config.patch(fx_graph_cache=False), functorch_config.patch(enable_autograd_cache=False), compile_limits(64):
         rows = [run_variant(v, model_name=model_name, batch=batch, seq_len=seq_len, steps=steps, device=device) for v in variants]
     by_name = {r["variant"]: r for r in rows}
     base = by_name.get("inductor")

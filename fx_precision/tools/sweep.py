@@ -35,6 +35,7 @@ from torch import fx, nn
 from fx_precision.logprobs import logits_of
 from fx_precision.passes.graph.nodes import module_path
 from fx_precision.tools.arch_zoo import ARCHS, Arch, arch
+from fx_precision.training_side import compile_limits
 
 COMPUTE = torch.bfloat16
 Recorder = Callable[[str, str, fx.GraphModule], None]
@@ -120,7 +121,6 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
             with hand_fixed(model):
                 by_hand = logits_of(model(input_ids=ids)).detach().float()
         stage = "lint"
-        torch._dynamo.reset()
         with autocast:
             report = lint(model, input_ids=ids)
         row["lint"] = {
@@ -132,15 +132,13 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
         }
         stage = "as traced"
         for label, fix in (("as_traced", contextlib.nullcontext()), ("hand_fix", hand_fixed(model))):
-            torch._dynamo.reset()
             with fix, autocast, torch.no_grad():
-                torch.compile(model, backend=_recording(spec.name, label, record, counts, inner="eager"))(input_ids=ids)
+                torch.compile(model, backend=_recording(spec.name, label, record, counts, inner="eager"), dynamic=False)(input_ids=ids)
         stage = "enforce"
-        torch._dynamo.reset()
         backend = fxp.make_precision_backend(inner=_recording(spec.name, "enforced", record, counts))
         model.zero_grad(set_to_none=True)
         with autocast:
-            logits = logits_of(torch.compile(model, backend=backend)(input_ids=ids))
+            logits = logits_of(torch.compile(model, backend=backend, dynamic=False)(input_ids=ids))
         logits.float().pow(2).mean().backward()
         row["enforce"] = {
             "errors_after": sum(f.severity == "error" for r in backend.reports for f in r.after),
@@ -166,7 +164,6 @@ def sweep_arch(spec: Arch, *, seq_len: int = 8, record: Recorder | None = None) 
         "eager_fix": counts.get("eager_fix"),
     }
     row["seconds"] = round(time.perf_counter() - start, 2)
-    torch._dynamo.reset()
     return row
 
 
@@ -185,10 +182,8 @@ def _eager_fix_row(
     fix = fxp.eager_casts(model, input_ids=ids, policy=fxp.PrecisionPolicy(compute=COMPUTE))
     inexact = [h for h in fix.hooks if not h.exact]
     with fix.apply(model):  # its hooks and its gathers (MoE experts read by grouped_mm: a cast of the master per call)
-        torch._dynamo.reset()
         with torch.autocast("cpu", dtype=COMPUTE), torch.no_grad():
-            torch.compile(model, backend=_recording(spec.name, "eager_fix", record, counts, inner="eager"))(input_ids=ids)
-        torch._dynamo.reset()
+            torch.compile(model, backend=_recording(spec.name, "eager_fix", record, counts, inner="eager"), dynamic=False)(input_ids=ids)
         model.zero_grad(set_to_none=True)
         with torch.autocast("cpu", dtype=COMPUTE):
             logits = logits_of(model(input_ids=ids))
@@ -222,14 +217,12 @@ def _aot_eager_differs(model: nn.Module, ids: torch.Tensor) -> set[str]:
     """Parameters whose gradient differs between eager and plain ``aot_eager`` (no pass), as-is."""
     grads = []
     for compiled in (False, True):
-        torch._dynamo.reset()
         model.zero_grad(set_to_none=True)
-        run = torch.compile(model, backend="aot_eager") if compiled else model
+        run = torch.compile(model, backend="aot_eager", dynamic=False) if compiled else model
         with torch.autocast("cpu", dtype=COMPUTE):
             logits = logits_of(run(input_ids=ids))
         logits.float().pow(2).mean().backward()
         grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
-    torch._dynamo.reset()
     return {n for n in grads[0] if not torch.equal(grads[0][n], grads[1].get(n, grads[0][n] + 1))}
 
 
@@ -279,7 +272,8 @@ def run_sweep(names: list[str] | None = None, *, census: bool = True, record: Re
 
         waiting = threading.Thread(target=run_census, name="sweep-census", daemon=True)
         waiting.start()
-    rows = [sweep_arch(spec, record=record) for spec in specs]
+    with compile_limits(64):  # each architecture compiled by several backends: fresh graphs by each (no Dynamo reset)
+        rows = [sweep_arch(spec, record=record) for spec in specs]
     if census:
         waiting.join()
         if "error" in census_run:

@@ -270,22 +270,20 @@ def _record_modules_under_contract(side: TrainingSide, dump: Dump, out: Dump) ->
     graphs with taps (graph_taps.py), each sequence alone on the rows of the engine's module pass (each sequence
     prefilled alone: the batch its module records were computed in); and, on demand, a module run alone under the
     contract on the engine's recorded inputs (the comparator's first differing op)."""
-    import torch._dynamo
-
     from fx_precision.graph_taps import TapRecorder
     from fx_precision.training_side import _compile
 
     model, policy, plan = side.model, side.policy, side.plan
     names = {r.fqn for r in dump.records if r.io in ("in", "out")}
     rows = _engine_rows(dump, policy, steps="module_steps")
-    torch._dynamo.reset()  # the hooks are part of what Dynamo traces: fresh graphs, with taps
-    tapped_side = copy.copy(side)  # the built side, its forward compiled again (the fields the steps set are not init fields)
+    # the hooks are part of what Dynamo traces: the built side compiled again by a backend of its own, whose graphs Dynamo
+    # traces afresh, with the taps (a compiled frame is kept per backend: the side's own graphs, and the caller's, stay)
+    tapped_side = copy.copy(side)  # the fields the steps set are not init fields
     tapped_side.backend = None
     tapped_side = _compile(tapped_side)
     tapped = Dump(side.name)
-    with TapRecorder(model, only=names) as taps:
+    with TapRecorder(model, only=names) as taps, compile_limits(8 * len(dump.sequences)):
         _forward_all(tapped_side, dump, tapped, rows)
-    torch._dynamo.reset()
     out.records = taps.dump.records + out.records
     out.calls = taps.dump.calls
     out.inputs = True
