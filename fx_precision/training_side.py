@@ -84,7 +84,7 @@ class RunConfig:
     contract: EngineContract | None = None
     compiled: bool = False
     inner: str = "inductor"  # the backend's inner compiler when compiled
-    train: bool = False  # the model in train mode (dropout stays off: the configs here have none)
+    train: bool | None = False  # the model in train mode (dropout stays off: the configs here have none); None: as built
     eager_fix: bool = False  # the backend's casts as module hooks: the precision fix without torch.compile
     example_ids: torch.Tensor | TokenSource | None = field(default=None, compare=False)  # what the eager fix is derived on
     world_size: int = 0  # 0: in process, gathers emulated at use; N: FSDP2 on N gloo ranks
@@ -195,7 +195,8 @@ def _build(side: TrainingSide) -> TrainingSide:
 
     source = side.cfg.model
     side.model = load_checkpoint(source, dtype=torch.float32) if isinstance(source, str) else source()
-    side.model.train(side.cfg.train)
+    if side.cfg.train is not None:
+        side.model.train(side.cfg.train)
     side.name = type(side.model).__name__  # before FSDP2 makes it FSDP<name>
     if side.cfg.contract is not None and side.cfg.contract.moe is not None:
         _experts_in_one_graph(side.model)

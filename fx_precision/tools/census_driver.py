@@ -1,4 +1,5 @@
-"""Build -> policy -> plan -> FSDP2 wrap -> census, on N gloo ranks; and the demo's five policies.
+"""The training side's steps (training_side.STEPS: build, policy, plan, eager fix, shard, hooks) -> census, on N gloo
+ranks; the reference wrap users write without fx_precision; and the demo's five policies.
 
 demo (tiny Qwen3.5, fp32 master, fp32 gather)
 ├── as-is              bf16 autocast, boundary re-cast on,  embedding gathered fp32   -> leaks
@@ -14,15 +15,18 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from torch import nn
+
 from fx_precision.census import Census, census
-from fx_precision.eager_fix import eager_casts
 from fx_precision.errors import PrecisionError
-from fx_precision.fsdp import apply_fsdp2, layer_wrap_globs
+from fx_precision.fsdp import layer_wrap_globs
 from fx_precision.module_graph import module_label
 from fx_precision.policy import PrecisionPolicy
 from fx_precision.policy_flags import PolicyFlags
 from fx_precision.ranks import cpu_mesh, rank_device, run_on_ranks
-from fx_precision.tools.zoo import build_model, forward_kwargs, token_batch
+from fx_precision.tools.compare_sides import ZooTokens
+from fx_precision.tools.zoo import build_model, forward_kwargs
+from fx_precision.training_side import RunConfig, build_training_side
 
 
 @dataclass(frozen=True)
@@ -72,29 +76,40 @@ def plain_layer_wrap(model: Any, mesh: Any) -> None:
     fully_shard(model, mesh=mesh, mp_policy=mp)
 
 
+@dataclass(frozen=True)
+class RankModel:
+    """A census's ModelSource (training_side): the model by name at the run's build dtype, on the rank's device."""
+
+    name: str
+    seed: int
+    dtype: Any
+    device: str
+
+    def __call__(self) -> nn.Module:
+        return build_model(self.name, seed=self.seed, dtype=self.dtype).to(self.device)
+
+
 def census_on_rank(rank: int, world_size: int, configs: list[CensusConfig]) -> list[dict[str, Any]]:
-    """Runs inside each rank: every config on a freshly built, freshly wrapped model."""
+    """Runs inside each rank: every config on a model built and wrapped afresh by the training side's steps (the reference
+    wrap, ``plain_wrap``, as users write it)."""
     out = []
     device = rank_device(rank)  # the CPU, or this rank's GPU under --device cuda
     for cfg in configs:
-        model = build_model(cfg.model, seed=cfg.seed, dtype=cfg.build_dtype()).to(device)
-        policy = cfg.policy(model)
         mesh = cpu_mesh(world_size, cfg.mesh, device.type)
+        source = RankModel(cfg.model, cfg.seed, cfg.build_dtype(), str(device))
+        tokens = ZooTokens(cfg.batch, cfg.seq_len, cfg.seed + 1, str(device))
         if cfg.plain_wrap:
+            model = source()
+            policy = cfg.policy(model)
             plain_layer_wrap(model, mesh)
             plan_units: list[str] = []
-        else:
-            plan = policy.plan(model, wrap=layer_wrap_globs(model))
-            ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
-            fix = eager_casts(model, ids, policy=policy, plan=plan, **forward_kwargs(model)) if cfg.eager_fix else None
-            if fix is not None and fix.gathers:  # weights an uncovered op reads (MoE experts): FSDP2 gathers them narrow
-                policy = fix.gathered_policy(policy)
-                plan = policy.plan(model, wrap=layer_wrap_globs(model))
-            apply_fsdp2(model, plan, mesh=mesh, policy=policy)
-            if fix is not None:
-                fix.apply(model)  # the FQNs of the plain model are the wrapped model's
-            plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in plan.units]
-        ids = token_batch(model, batch=cfg.batch, seq_len=cfg.seq_len, seed=cfg.seed + 1, device=device)
+        else:  # the model in the mode it was built in, as the census always took it
+            run = RunConfig(source, policy=cfg.flags(), train=None, eager_fix=cfg.eager_fix, example_ids=tokens,
+                            world_size=world_size, mesh=cfg.mesh)  # fmt: skip
+            side = build_training_side(run, mesh)
+            model, policy = side.model, side.policy
+            plan_units = [f"{module_label(u.fqn)}:{u.gather}" for u in side.plan.units]
+        ids = tokens(model)
         with policy.forward_context(device.type):
             try:
                 result = census(model, ids, backward=cfg.backward, **forward_kwargs(model))

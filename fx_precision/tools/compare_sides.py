@@ -63,9 +63,10 @@ class ZooTokens:
     batch: int = 2
     seq_len: int = 16
     seed: int = 1
+    device: str = "cpu"
 
     def __call__(self, model: nn.Module) -> torch.Tensor:
-        return token_batch(model, batch=self.batch, seq_len=self.seq_len, seed=self.seed)
+        return token_batch(model, batch=self.batch, seq_len=self.seq_len, seed=self.seed, device=self.device)
 
 
 def built_in_side(cfg: RunConfig, *, batch: int = 2, seq_len: int = 16, seed: int = 0) -> RunConfig:
