@@ -19,7 +19,8 @@
     fxp_engine::unrounded_residual(x) -> fp32         the next graph's norm input: the kept fp32 sum
                                                       when x is its rounding (checked), else x.float()
         state     not pure functions of their tensors: residual_add writes, unrounded_residual reads, and linear
-                  reads the forward's state (ContractForward: its row plan and its sums), which lives while
+                  (and attention, for its KV tiles when none are passed) reads the forward's state
+                  (ContractForward: its row plan and its sums, behind a ContextVar), which lives while
                   engine_rows is open; outside it they refuse in one line. A recompute inside it (activation
                   checkpointing with backward inside engine_rows) reads the same state: the same bits
         backward  straight through, as an add's and a cast's
