@@ -5,6 +5,8 @@
     stop_on_signals()        SIGTERM and SIGINT raise ``Stopped`` in the main thread (finally blocks run: files are
                              removed, children are stopped); restored on exit
     Stopped                  the signal as an exception (a BaseException: ``except Exception`` does not swallow it)
+    process_alive(pid)       whether a process of that id runs (another user's counts as running): what the owner
+                             of a left-over file in /dev/shm or a run directory is judged by
 
 Used by the rank runner (``ranks.py``), the engine server (``engines/serve.py``) and the on-policy loop.
 """
@@ -28,6 +30,17 @@ class Stopped(BaseException):
     def __init__(self, signum: int) -> None:
         self.signum = signum
         super().__init__(f"stopped by {signal.Signals(signum).name}")
+
+
+def process_alive(pid: int) -> bool:
+    """Whether process ``pid`` runs: signal 0 reaches it (another user's process runs too, not ours to judge)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def die_with_parent(sig: int = signal.SIGKILL) -> None:

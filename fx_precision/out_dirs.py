@@ -21,6 +21,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from fx_precision.errors import PrecisionError
+from fx_precision.lifetime import process_alive
 
 
 def check_out_dir(out: str | os.PathLike[str], *, kind: str, overwrite: bool, replaceable: Callable[[Path], bool],
@@ -80,17 +81,7 @@ def remove_stale_staging(root: Path) -> list[Path]:
     removed = []
     for path in root.parent.glob(f".{root.name}.writing-*"):
         pid = path.name.rsplit(".writing-", 1)[-1].split("-", 1)[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        if pid.isdigit() and not process_alive(int(pid)):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True

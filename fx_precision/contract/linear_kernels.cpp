@@ -204,6 +204,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bf16,avx512vl"))) void li
   });
 }
 
+// Chunk c's dot of x and w (32 elements: one TDPBF16PS from 0) without AMX: the even and the odd products each
+// summed from 0 in order, denormals flushed as the tile instruction flushes them, then added.
+static inline float chunk_dot_emulated(const uint16_t* x, const uint16_t* w, int64_t c, int64_t K) {
+  float e = 0.0f, o = 0.0f;
+  for (int64_t k = c * 32; k < std::min<int64_t>(K, c * 32 + 32); k += 2) {
+    e = ftz(e + ftz(ftz(bf16_value(x[k])) * ftz(bf16_value(w[k]))));
+    if (k + 1 < K) o = ftz(o + ftz(ftz(bf16_value(x[k + 1])) * ftz(bf16_value(w[k + 1]))));
+  }
+  return ftz(e + o);
+}
+
 // The same sums without AMX, element by element (any x86 CPU; AMX's own arithmetic, which a test holds equal to
 // the hardware): per chunk the even and the odd products summed from 0 in order, denormals flushed as the tile
 // instruction flushes them, then the chunk dots folded in blocks and parts, then bias, one store.
@@ -216,14 +227,7 @@ void linear_emulated(const uint16_t* x, const uint16_t* w, const float* bias, ui
       const uint16_t* wrow = w + n * K;
       for (int64_t m = 0; m < M; ++m) {
         const uint16_t* xrow = x + m * K;
-        for (int64_t c = 0; c < chunks; ++c) {
-          float e = 0.0f, o = 0.0f;
-          for (int64_t k = c * 32; k < std::min<int64_t>(K, c * 32 + 32); k += 2) {
-            e = ftz(e + ftz(ftz(bf16_value(xrow[k])) * ftz(bf16_value(wrow[k]))));
-            if (k + 1 < K) o = ftz(o + ftz(ftz(bf16_value(xrow[k + 1])) * ftz(bf16_value(wrow[k + 1]))));
-          }
-          dots[c] = ftz(e + o);
-        }
+        for (int64_t c = 0; c < chunks; ++c) dots[c] = chunk_dot_emulated(xrow, wrow, c, K);
         float total = 0.0f;
         int64_t c = 0;
         int32_t block = 0;
@@ -643,14 +647,7 @@ void fxp_chunk_dots_emulated(const uint16_t* x, const uint16_t* w, float* out, i
   for (int64_t i = 0; i < P; ++i) {
     const uint16_t* xr = x + i * K;
     const uint16_t* wr = w + i * K;
-    for (int64_t c = 0; c < chunks; ++c) {
-      float e = 0.0f, o = 0.0f;
-      for (int64_t k = c * 32; k < std::min<int64_t>(K, c * 32 + 32); k += 2) {
-        e = ftz(e + ftz(ftz(bf16_value(xr[k])) * ftz(bf16_value(wr[k]))));
-        if (k + 1 < K) o = ftz(o + ftz(ftz(bf16_value(xr[k + 1])) * ftz(bf16_value(wr[k + 1]))));
-      }
-      out[i * chunks + c] = ftz(e + o);
-    }
+    for (int64_t c = 0; c < chunks; ++c) out[i * chunks + c] = chunk_dot_emulated(xr, wr, c, K);
   }
 }
 

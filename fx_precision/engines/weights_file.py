@@ -18,6 +18,8 @@ from pathlib import Path
 
 import torch
 
+from fx_precision.lifetime import process_alive
+
 PREFIX = "fxp-engine-"
 _COUNTER = itertools.count()
 
@@ -36,23 +38,13 @@ def weights_file_name(owner: int | None = None) -> str:
     return f"{PREFIX}{owner or os.getpid()}-{next(_COUNTER)}.safetensors"
 
 
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # another user's process: alive, not ours to judge
-    return True
-
-
 def remove_stale(directory: Path) -> list[Path]:
     """Remove weights files (and half-written ones) in ``directory`` whose owner process is gone; returns them."""
     removed = []
     pattern = re.compile(rf"^\.?{re.escape(PREFIX)}(\d+)-\d+\.safetensors(\.writing)?$")
     for path in directory.glob(f"*{PREFIX}*"):
         found = pattern.match(path.name)
-        if found and not _alive(int(found.group(1))):
+        if found and not process_alive(int(found.group(1))):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -50,6 +50,18 @@ def _is_meta(model: nn.Module) -> bool:
     return any(t.device.type == "meta" for t in [*model.parameters(), *model.buffers()])
 
 
+def _faked(fake_mode: FakeTensorMode, device_type: str, inputs: Any) -> Any:
+    """``inputs`` (any pytree) with each tensor a fake one of its shape, strides and dtype on ``device_type``."""
+
+    def to_fake(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            with fake_mode:
+                return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device_type)
+        return x
+
+    return tree_map(to_fake, inputs)
+
+
 @contextlib.contextmanager
 def _fake_weights(model: nn.Module, fake_mode: FakeTensorMode, device_type: str) -> Iterator[None]:
     """Swap every meta parameter/buffer for a fake tensor on ``device_type``; restore afterwards."""
@@ -134,14 +146,7 @@ def _capture(model: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], re
     existing_fake = detect_fake_mode([*model.parameters(), *model.buffers()])
     if _is_meta(model):
         fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-        def to_fake(x: Any) -> Any:
-            if isinstance(x, torch.Tensor):
-                with fake_mode:
-                    return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device_type)
-            return x
-
-        fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+        fake_args, fake_kwargs = _faked(fake_mode, device_type, (args, kwargs))
         with _fake_weights(model, fake_mode, device_type):
             names = tensor_names(model)
             with kept, fake_mode, autocast:
@@ -190,14 +195,7 @@ def fake_forward_io(
     try:
         if _is_meta(model):
             fake_mode = FakeTensorMode(allow_non_fake_inputs=True)
-
-            def to_fake(x: Any) -> Any:
-                if isinstance(x, torch.Tensor):
-                    with fake_mode:
-                        return torch.empty_strided(x.shape, x.stride(), dtype=x.dtype, device=device_type)
-                return x
-
-            fake_args, fake_kwargs = tree_map(to_fake, (args, kwargs))
+            fake_args, fake_kwargs = _faked(fake_mode, device_type, (args, kwargs))
             with _fake_weights(model, fake_mode, device_type), fake_mode, torch.no_grad(), autocast:
                 model(*fake_args, **fake_kwargs)
         else:
