@@ -352,6 +352,9 @@ def check_engine_dump(dump: Dump) -> None:
         if not isinstance(value, kinds) or (bool not in kinds and isinstance(value, bool)):
             shown = f"{value!r}"[:120]
             raise PrecisionError(f"dump {dump.source}: engine.{key} = {shown}; an engine dump records it as {kinds[0].__name__}")
+    from fx_precision.engine_description import EngineDescription
+
+    EngineDescription.of_run(engine, f"dump {dump.source}: engine")  # how the engine ran: each field its type
     if engine.get("logprobs", "raw") not in ("raw", "processed"):
         raise PrecisionError(f"dump {dump.source}: engine.logprobs = {engine.get('logprobs')!r}; raw or processed")
     if engine["threads"] < 1:

@@ -25,10 +25,13 @@ from fx_precision.contract.evidence import (
     LinearEvidence,
     LogprobEvidence,
     RunCallsChecked,
+    keeping,
+    value_record,
 )
 from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
 from fx_precision.contract.ops import engine_attention, engine_linear, engine_rotary
+from fx_precision.contract.vocabulary import LogprobForm, NormForm
 from fx_precision.errors import PrecisionError
 
 BF16 = torch.bfloat16
@@ -106,13 +109,13 @@ def test_evidence_is_typed_and_survives_its_json() -> None:
     evidence, its ``matched`` record the one its fields give (the attention followed only where the run's calls held)."""
     evidence = ContractEvidence(
         attention_isa="vec", kernels="AVX512+BF16 (_C)", cpu_family="avx512-bf16",
-        rotary=CandidateEvidence({"native": 12, "kernel, truncate store": 0}, kept="kernel, truncate store"),
-        norm=CandidateEvidence(kept="plain", details={"module": "GraniteRMSNorm: model"}),
-        attention=AttentionEvidence({VEC.describe(): 0}, VEC.describe(), not_tried={"amx": "no AMX tiles"}, separating_rounds=({"a": 1},),
-                                    at_run=RunCallsChecked(5, 5, ("1 request(s) [(513, 513)]: 3 row(s) differ",))),
-        linears=LinearEvidence({"q_proj 64x256 at 7 rows": LinearCallEvidence(7, 512, 1, kept=BLOCKED.describe())},
-                               {"64x256 at 7 rows": BLOCKED.describe()}),
-        logprobs=LogprobEvidence(0, 0.7, 40, 0.8, 4, 4, {"raw": 0, "processed": 4}, kept="processed", mode="raw_logprobs"),
+        rotary=keeping(CandidateEvidence({"native": 12, "kernel, truncate store": 0}), RotaryOp(rounding="truncate")),
+        norm=keeping(CandidateEvidence(details={"module": "GraniteRMSNorm: model"}), NormForm.PLAIN),
+        attention=keeping(AttentionEvidence({VEC.describe(): 0}, not_tried={"amx": "no AMX tiles"}, separating_rounds=({"a": 1},),
+                                            at_run=RunCallsChecked(5, 5, ("1 request(s) [(513, 513)]: 3 row(s) differ",))), VEC),
+        linears=LinearEvidence({"q_proj 64x256 at 7 rows": keeping(LinearCallEvidence(7, 512, 1), BLOCKED)},
+                               {"64x256 at 7 rows": value_record(BLOCKED)}),
+        logprobs=keeping(LogprobEvidence(0, 0.7, 40, 0.8, 4, 4, {"raw": 0, "processed": 4}, mode="raw_logprobs"), LogprobForm.PROCESSED),
     )  # fmt: skip
     data = json.loads(json.dumps(evidence.to_dict()))
     assert ContractEvidence.from_dict(data) == evidence
@@ -126,10 +129,11 @@ def test_a_contract_its_evidence_contradicts_is_refused() -> None:
     from fx_precision.contract import contract_of_dump
 
     linears = LinearOrders(1, (LinearCall(64, 256, 7, BLOCKED),))
-    evidence = ContractEvidence(norm=CandidateEvidence(kept="fused-add"), rotary=CandidateEvidence(kept="kernel, truncate store"),
-                                attention=AttentionEvidence(kept=VEC.describe()),
-                                linears=LinearEvidence(read={"64x256 at 7 rows": BLOCKED.describe()}))  # fmt: skip
-    honest = EngineContract(rotary=RotaryOp(rounding="truncate"), attention=VEC, linears=linears, evidence=evidence)
+    rotary = RotaryOp(rounding="truncate")
+    evidence = ContractEvidence(norm=keeping(CandidateEvidence(), NormForm.FUSED_ADD), rotary=keeping(CandidateEvidence(), rotary),
+                                attention=keeping(AttentionEvidence(), VEC), logprobs=keeping(LogprobEvidence(), LogprobForm.RAW),
+                                linears=LinearEvidence(read={"64x256 at 7 rows": value_record(BLOCKED)}))  # fmt: skip
+    honest = EngineContract(rotary=rotary, attention=VEC, linears=linears, evidence=evidence)
     contract_of_dump(SimpleNamespace(contract=honest.to_dict()))  # its evidence holds it
     edited = _edited(honest.to_dict(), "attention.exp", "fast512")
     with pytest.raises(PrecisionError, match=r"contract.attention is .*but its probe kept"):
@@ -139,8 +143,14 @@ def test_a_contract_its_evidence_contradicts_is_refused() -> None:
     with pytest.raises(PrecisionError, match=r"the call 64x256 at 7 rows is summed as 'AMX: K in order', its probe read"):
         contract_of_dump(SimpleNamespace(contract=edited))
     edited = _edited(honest.to_dict(), "logprobs", "processed")
-    edited["evidence"]["logprobs"] = {"kept": "raw"}
+    edited["evidence"]["logprobs"] = {"kept": "raw", "record": {"form": "raw"}}
     with pytest.raises(PrecisionError, match=r"contract.logprobs is 'processed', but its probe kept 'raw'"):
+        contract_of_dump(SimpleNamespace(contract=edited))
+    edited = _edited(honest.to_dict(), "evidence.attention.record.fma", True)  # the record, not the words: one field edited
+    with pytest.raises(PrecisionError, match=r"contract.attention is .*but its probe kept"):
+        contract_of_dump(SimpleNamespace(contract=edited))
+    edited = _edited(honest.to_dict(), "evidence.norm.record", "-")  # the words alone are not evidence
+    with pytest.raises(PrecisionError, match=r"contract.evidence.norm: no record of what the probe kept"):
         contract_of_dump(SimpleNamespace(contract=edited))
 
 

@@ -81,6 +81,8 @@ def _engine_dump(checkpoint: Path) -> Dump:
 
 
 def test_an_engine_dump_is_read_against_itself(checkpoint: Path, tmp_path: Path) -> None:
+    """A dump's records, sequences, steps and engine record are checked against each other and their types: the
+    engine's description (EngineDescription) read typed out of its record, the run's fields beside it."""
     good = _engine_dump(checkpoint)
     check_engine_dump(good)
     good.save(tmp_path / "good")
@@ -99,7 +101,10 @@ def test_an_engine_dump_is_read_against_itself(checkpoint: Path, tmp_path: Path)
     for key, value, needle in (("threads", "1", "engine.threads = '1'"), ("split_kv", 0, "engine.split_kv = 0"),
                                ("weights", None, "engine.weights = None"), ("logprobs", "cooked", "engine.logprobs = 'cooked'"),
                                ("temperature", True, "engine.temperature = True"), ("top_k", -1, "engine.top_k = -1"),
-                               ("top_p", 0.0, "engine.top_p = 0.0"), ("top_p", True, "engine.top_p = True")):  # fmt: skip
+                               ("top_p", 0.0, "engine.top_p = 0.0"), ("top_p", True, "engine.top_p = True"),
+                               ("attention_isa", 3, "engine.attention_isa=3: a str"),  # how it ran: EngineDescription's types
+                               ("compiled", "yes", "engine.compiled='yes': a bool"),
+                               ("head_dim", 1.5, "engine.head_dim=1.5: a int")):  # fmt: skip
         bad = _engine_dump(checkpoint)
         bad.engine = {**(bad.engine or {}), key: value}
         with pytest.raises(PrecisionError, match=needle.replace("(", r"\(").replace(")", r"\)")):

@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from fx_precision.contract import EngineContract, contract_notes
-from fx_precision.contract.attention_tiles import NO_END, ONE_TILE, KvTiling, smallest_kv_tile
+from fx_precision.contract.attention_tiles import NO_END, ONE_TILE, KvTiling, longest_row, smallest_kv_tile
 from fx_precision.contract.batch_rows import EngineRows, RowPlan, engine_rows, row_plans, step_requests
 from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.ops import engine_attention
+from fx_precision.engine_description import EngineDescription
 from fx_precision.errors import PrecisionError
 
 ZEN4 = KvTiling("vec", 1 << 20, 128, 16, 8, 1, False)  # a 2-core Zen 4: L2 1 MiB, Qwen3-0.6B's heads, one engine thread
@@ -73,7 +74,7 @@ def test_a_tiling_is_typed_and_round_trips_in_the_contract() -> None:
         EngineContract.from_dict({**data, "kv_tiling": {**data["kv_tiling"], "threads": 0}})
     with pytest.raises(PrecisionError, match=r"KvTiling\.isa='vec16'"):
         KvTiling("vec16", 1 << 20, 128, 16, 8, 1, False)
-    assert KvTiling.of_engine({"attention_isa": "vec16", "l2_cache_bytes": 1 << 20, "head_dim": 128, "threads": 1}, 16, 8) is None
+    assert KvTiling.of_engine(EngineDescription(attention_isa="vec16", l2_cache_bytes=1 << 20, head_dim=128), 16, 8) is None
 
 
 def _f32(x: float) -> float:
@@ -258,8 +259,9 @@ def test_a_steps_requests_are_its_runs_that_one_sequence_holds() -> None:
 def test_notes_name_long_rows_only_for_a_contract_that_does_not_follow_tiles() -> None:
     """A contract without a tiling (written before tiles were followed) whose run saw more keys than the engine's
     smallest tile is named in the notes; one that follows the tiles is not."""
-    engine = {"attention_isa": "vec", "l2_cache_bytes": 1 << 20, "head_dim": 128, "steps": [[(p, 1) for p in range(513)]]}
-    untiled = [n for n in contract_notes(EngineContract(), engine) if "KV tile" in n]
+    record = {"attention_isa": "vec", "l2_cache_bytes": 1 << 20, "head_dim": 128, "steps": [[(p, 1) for p in range(513)]]}
+    engine, longest = EngineDescription.of_run(record), longest_row(record)
+    untiled = [n for n in contract_notes(EngineContract(), engine, longest) if "KV tile" in n]
     assert len(untiled) == 1 and "up to 513 keys" in untiled[0] and "320 keys at head_dim 128" in untiled[0]
-    assert not any("KV tile" in n for n in contract_notes(EngineContract(kv_tiling=ZEN4), engine))
-    assert not any("KV tile" in n for n in contract_notes(EngineContract(), {**engine, "steps": [[(p, 1) for p in range(300)]]}))
+    assert not any("KV tile" in n for n in contract_notes(EngineContract(kv_tiling=ZEN4), engine, longest))
+    assert not any("KV tile" in n for n in contract_notes(EngineContract(), engine, longest_row({"steps": [[(p, 1) for p in range(300)]]})))

@@ -81,7 +81,7 @@ def test_a_nan_is_never_equal_and_a_step_that_saw_one_learned_nothing() -> None:
     assert found.non_finite == 1 and found.mismatches == 1 and found.max_delta == 0.0
     learned = StepMetrics(0, 1, found, 0.25, 0.1, "f", "w", {"step": 1.0})
     broken = StepMetrics(1, 1, found, 1.0, nan, "f", "w", {"step": 1.0}, non_finite="1 of 2 sampled log-probs, the loss")
-    run = OnPolicyRun({"contract": "none"}, {}, None, [learned, broken])
+    run = OnPolicyRun({"contract": "none"}, None, None, [learned, broken])
     assert learned.learned and not broken.learned
     assert run.summary()["reward_last3"] == 0.25 and run.summary()["non_finite_steps"] == 1
     assert broken.row()["reward"].startswith("not finite: 1 of 2 sampled log-probs")
@@ -108,7 +108,7 @@ def test_the_json_speaks_the_rl_frameworks_names_beside_its_own() -> None:
     )
     from fx_precision.onpolicy.report import table
 
-    run = OnPolicyRun({"contract": "none"}, {}, None, [StepMetrics(0, 1, found, 0.5, 0.0, "f", "w", {"step": 1.0})])
+    run = OnPolicyRun({"contract": "none"}, None, None, [StepMetrics(0, 1, found, 0.5, 0.0, "f", "w", {"step": 1.0})])
     assert all(name in table(run) for name in STANDARD_NAMES)  # the CLI's table speaks them too
 
 
@@ -257,7 +257,7 @@ def test_the_plot_draws_reward_and_mismatch_per_step(tmp_path: Path) -> None:
 
     steps = [StepMetrics(i, 16, certificate(m), 0.25 + 0.05 * i, 0.0, f"f{i}", f"w{i}", {"step": 0.5})
              for i, m in enumerate((0, 3, 0, 0, 0, 0))]  # fmt: skip
-    run = OnPolicyRun({"contract": "vllm", "samples": 4, "temperature": 1.0, "world_size": 2}, {}, None, steps)
+    run = OnPolicyRun({"contract": "vllm", "samples": 4, "temperature": 1.0, "world_size": 2}, None, None, steps)
     out = plot([("--contract vllm", run)], tmp_path / "p.png")
     assert out.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     line = summary_line(run)

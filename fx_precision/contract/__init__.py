@@ -43,14 +43,24 @@ from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from fx_precision.contract.attention_tiles import KvTiling
-from fx_precision.contract.evidence import CandidateEvidence, ContractEvidence, linear_call_key
+from fx_precision.contract.evidence import (
+    CandidateEvidence,
+    ContractEvidence,
+    KeptValue,
+    LogprobEvidence,
+    linear_call_key,
+    value_record,
+    value_text,
+)
 from fx_precision.contract.gdn_form import GdnForm
 from fx_precision.contract.inductor_norms import NormReduction
 from fx_precision.contract.linear_order import LinearOrders
 from fx_precision.contract.logits import LogitsForm
 from fx_precision.contract.moe import MoeKernel
 from fx_precision.contract.vocabulary import Exp, LaneSum, LogprobForm, NormForm, OpClass, RotaryForm, Rounding, Scores, parse_enum
+from fx_precision.engine_description import EngineDescription
 from fx_precision.errors import PrecisionError
+from fx_precision.text_enum import TextEnum
 
 if TYPE_CHECKING:
     from fx_precision.dump import Dump
@@ -306,63 +316,60 @@ class EngineContract:
         return replace(self, attention=replace(self.attention, **changes))
 
     def check_evidence(self) -> None:
-        """Refuse a contract its own evidence contradicts: every op class's value must be the one its probe kept
-        (``evidence.<op class>.kept``), a candidate with no mismatch; every linear call's order the one read."""
-        probed: tuple[tuple[OpClass, Any, CandidateEvidence | None], ...] = (
+        """Refuse a contract its own evidence contradicts: every op class's value must be the one its probe kept, record
+        for record (``evidence.<op class>.record``: the value's fields, never its description), a candidate with no
+        mismatch; every linear call's order the one read."""
+        probed: tuple[tuple[OpClass, KeptValue | TextEnum | None, CandidateEvidence | LogprobEvidence | None], ...] = (
             (OpClass.NORM, self.norm, self.evidence.norm),
             (OpClass.ROTARY, self.rotary, self.evidence.rotary),
             (OpClass.ATTENTION, self.attention, self.evidence.attention),
             (OpClass.GDN, self.gdn, self.evidence.gdn),
+            (OpClass.LOGPROBS, self.logprobs, self.evidence.logprobs),
         )
         for op_class, value, found in probed:
             if value is None:
                 continue
-            if found is None or found.kept is None:
-                raise PrecisionError(f"contract.evidence.{op_class}: no record of what the probe kept; the contract cannot be checked")
-            shown = str(value) if isinstance(value, NormForm) else value.describe()
-            if found.kept != shown:
+            if found is None or found.record is None:
+                raise PrecisionError(f"contract.evidence.{op_class}: no record of what the probe kept; the contract cannot be checked "
+                                     "(written by another fx_precision version? roll out again)")  # fmt: skip
+            if found.record != value_record(value):
                 raise PrecisionError(
-                    f"contract.{op_class} is {shown!r}, but its probe kept {found.kept!r} (contract.evidence.{op_class}): the contract "
-                    "is not the one its evidence supports; roll out again"
+                    f"contract.{op_class} is {value_text(value)!r}, but its probe kept {found.kept!r} (contract.evidence.{op_class}): "
+                    "the contract is not the one its evidence supports; roll out again"
                 )
-        logprobs = self.evidence.logprobs
-        if self.logprobs is not None and logprobs is not None and logprobs.kept != str(self.logprobs):
-            raise PrecisionError(
-                f"contract.logprobs is {str(self.logprobs)!r}, but its probe kept {logprobs.kept!r} (contract.evidence.logprobs): the "
-                "contract is not the one its evidence supports; roll out again"
-            )
         read = self.evidence.linears.read if self.evidence.linears is not None else {}
         for call in self.linears.calls:
             key = linear_call_key(call.out_features, call.in_features, call.rows)
-            if read.get(key) != call.order.describe():
+            if read.get(key) != value_record(call.order):
                 raise PrecisionError(
-                    f"contract.linears: the call {key} is summed as {call.order.describe()!r}, its probe read {read.get(key)!r} "
-                    "(contract.evidence.linears.read): the contract is not the one its evidence supports; roll out again"
+                    f"contract.linears: the call {key} is summed as {call.order.describe()!r}, its probe read another order "
+                    f"({read.get(key)!r}, contract.evidence.linears.read): the contract is not the one its evidence supports; "
+                    "roll out again"
                 )
 
 
-def contract_notes(contract: EngineContract, engine: dict[str, Any]) -> list[str]:
+def contract_notes(contract: EngineContract, engine: EngineDescription, longest: int) -> list[str]:
     """What the contract does not follow in this engine run, each with what to do about it (empty: everything the
-    run exercised was probed and matched). ``engine``: the dump's record of how the engine ran."""
+    run exercised was probed and matched). ``engine``: how the engine ran; ``longest``: the most keys a query row of
+    the run saw (``attention_tiles.longest_row`` of the dump's engine record)."""
     notes = [f"the engine's {op_class} matched no candidate the contract knows ({why}): a graph with it is refused, "
              "compare without --contract to see the gap" for op_class, why in contract.unmatched]  # fmt: skip
     at_run = contract.evidence.attention.at_run if contract.evidence.attention is not None else None
     if at_run is not None and at_run.unmatched:
         notes.append(f"the engine's attention parts from the contract's at these calls of the run: {'; '.join(at_run.unmatched[:3])}")
-        if int(engine.get("threads") or 1) > 1 and engine.get("split_kv") and contract.kv_tiling is None:
+        if engine.threads > 1 and engine.split_kv and contract.kv_tiling is None:
             notes.append(
-                f"the engine ran split-KV attention on {engine['threads']} threads (a decode row's keys split across threads, "
+                f"the engine ran split-KV attention on {engine.threads} threads (a decode row's keys split across threads, "
                 "partial softmaxes merged), which a contract without a KV tiling does not follow: roll out again with this "
                 "version, or with --split-kv off (or --threads 1)"
             )
-    from fx_precision.contract.attention_tiles import longest_row, smallest_kv_tile
+    from fx_precision.contract.attention_tiles import smallest_kv_tile
 
-    tile = smallest_kv_tile(engine.get("attention_isa"), engine.get("l2_cache_bytes"), engine.get("head_dim"))
-    longest = longest_row(engine)
+    tile = smallest_kv_tile(engine.attention_isa, engine.l2_cache_bytes, engine.head_dim)
     if tile is not None and contract.attention is not None and contract.kv_tiling is None and longest > tile:
         notes.append(
             f"rows of this run see up to {longest} keys, more than the engine's smallest KV tile here ({tile} keys at head_dim "
-            f"{engine.get('head_dim')}, from its L2 of {engine.get('l2_cache_bytes')} bytes), and this contract records no KV "
+            f"{engine.head_dim}, from its L2 of {engine.l2_cache_bytes} bytes), and this contract records no KV "
             "tiling (written before tiles were followed): where the engine took a row's keys in two tiles the contract's one "
             "pass parts from it; roll out again with this version (docs/engine-contract.md, KV tiles)"
         )
@@ -401,8 +408,8 @@ def contract_of_dump(dump: Dump) -> EngineContract:
         )
     contract = EngineContract.from_dict(data)
     contract.check_evidence()
-    engine = getattr(dump, "engine", None) or {}
-    if engine.get("compiled") and contract.inductor is None:  # refused before any model is built: not followed, said why
+    compiled = EngineDescription.of_run(getattr(dump, "engine", None)).compiled
+    if compiled and contract.inductor is None:  # refused before any model is built: not followed, said why
         why = contract.why_unmatched().get(OpClass.NORM, "the engine ran compiled and the rollout read no Inductor build")
         raise PrecisionError(f"dump {getattr(dump, 'source', dump)}: engine contract: {why}")
     return contract

@@ -34,6 +34,7 @@ from typing import Any
 
 import torch
 
+from fx_precision.engine_description import EngineDescription
 from fx_precision.errors import PrecisionError
 
 _ELEMENT_BYTES = {"vec": (4, 2, 4, 4, 8), "amx": (2, 2, 4, 4, 32)}  # q, kv, logits, out, MaxQ
@@ -128,13 +129,13 @@ class KvTiling:
             raise PrecisionError(str(exc).replace("KvTiling.", f"{where}.")) from None
 
     @classmethod
-    def of_engine(cls, engine: dict[str, Any], heads: int, kv_heads: int, window: int = -1) -> KvTiling | None:
-        """The tiling of an engine run's record (``engine`` info: attention_isa, l2_cache_bytes, head_dim, threads,
-        split_kv), or None where the record does not say (an older dump, an ISA this does not cover)."""
-        isa, l2, dim, threads = (engine.get(k) for k in ("attention_isa", "l2_cache_bytes", "head_dim", "threads"))
-        if isa not in _ELEMENT_BYTES or not l2 or not dim or not threads:
+    def of_engine(cls, engine: EngineDescription, heads: int, kv_heads: int, window: int = -1) -> KvTiling | None:
+        """The tiling of an engine as it ran (its attention ISA, L2 size, head dim, threads, split-KV), or None where
+        its description does not say (an older dump, an ISA this does not cover)."""
+        isa, l2, dim = engine.attention_isa, engine.l2_cache_bytes, engine.head_dim
+        if isa is None or isa not in _ELEMENT_BYTES or not l2 or not dim:
             return None
-        return cls(str(isa), int(l2), int(dim), int(heads), int(kv_heads), int(threads), bool(engine.get("split_kv", False)), window)
+        return cls(isa, l2, dim, int(heads), int(kv_heads), engine.threads, engine.split_kv, window)
 
     def query_row_tiles(self, requests: Sequence[tuple[int, int]]) -> list[list[RowTiles]]:
         """One engine step's requests ((query rows, keys) each, in the step's order): for each request, each query

@@ -6,13 +6,14 @@ the core (``EngineContract.check_evidence``, ``contract_notes``, ``EngineContrac
     ContractEvidence
     ├── attention_isa, kernels, cpu_family   how the probed engine ran (its attention ISA, kernel build, CPU family)
     ├── rotary, norm, eager_math             CandidateEvidence: each candidate's mismatch count, the one ``kept``
-    │                                        (its ``describe()``), or ``why`` none was; ``failed``: the probe could
-    │                                        not run here
+    │                                        (its ``describe()``; its ``record``, its fields, which the contract's
+    │                                        value is checked against), or ``why`` none was; ``failed``: the probe
+    │                                        could not run here
     ├── attention                            AttentionEvidence: the candidates at prefill, narrowed by decode rows,
     │                                        separating probes and rounds; ``at_run``: RunCallsChecked, the kept
     │                                        arithmetic against the engine at the run's own calls
     ├── linears                              LinearEvidence: every call's LinearCallEvidence, the order ``read`` per
-    │                                        "N x K at rows", the calls no order matched
+    │                                        "N x K at rows" (a record), the calls no order matched
     ├── logprobs                             LogprobEvidence: the step read, the sampler's settings, the rows each
     │                                        form gave, the form kept
     └── gdn                                  CandidateEvidence: the GatedDeltaNet kernels against the contract's
@@ -26,75 +27,16 @@ field is typed on read: a wrong type or an unknown or missing field is one Preci
 from __future__ import annotations
 
 import dataclasses
-import types
-import typing
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, Union
+from typing import Any, Protocol, TypeVar
 
 from fx_precision.errors import PrecisionError
-
-E = TypeVar("E", bound="Evidence")
-
-
-class Evidence:
-    """JSON in and out by the dataclass's own field types (str, int, float, bool, None, dict[str, X], tuple[X, ...],
-    list[X] and nested Evidence), so every evidence class states its fields once."""
-
-    def to_dict(self) -> dict[str, Any]:
-        return {f.name: _to_json(getattr(self, f.name)) for f in dataclasses.fields(self)}  # type: ignore[arg-type]
-
-    @classmethod
-    def from_dict(cls: type[E], data: object, where: str) -> E:
-        if not isinstance(data, dict):
-            raise PrecisionError(f"{where}: a JSON object, got {type(data).__name__}")
-        hints = typing.get_type_hints(cls)
-        names = [f.name for f in dataclasses.fields(cls)]  # type: ignore[arg-type]
-        unknown = sorted(set(data) - set(names))
-        if unknown:
-            raise PrecisionError(f"{where}: unknown {', '.join(unknown)} (written by another fx_precision version? roll out again)")
-        values = {name: _from_json(hints[name], data[name], f"{where}.{name}") for name in names if name in data}
-        try:
-            return cls(**values)
-        except TypeError as exc:  # a field without a default missing
-            raise PrecisionError(f"{where}: {exc}") from None
+from fx_precision.json_record import JsonRecord
+from fx_precision.text_enum import TextEnum
 
 
-def _to_json(value: Any) -> Any:
-    if isinstance(value, Evidence):
-        return value.to_dict()
-    if isinstance(value, dict):
-        return {k: _to_json(v) for k, v in value.items()}
-    if isinstance(value, (tuple, list)):
-        return [_to_json(v) for v in value]
-    return value
-
-
-def _from_json(kind: Any, value: Any, where: str) -> Any:
-    """``value`` read as ``kind`` (a resolved type hint), or one error naming ``where``."""
-    origin, args = typing.get_origin(kind), typing.get_args(kind)
-    if origin in (Union, types.UnionType):
-        if value is None and type(None) in args:
-            return None
-        (inner,) = [a for a in args if a is not type(None)]
-        return _from_json(inner, value, where)
-    if origin is dict:
-        if not isinstance(value, dict):
-            raise PrecisionError(f"{where}: a JSON object, got {type(value).__name__}")
-        return {str(k): _from_json(args[1], v, f"{where}[{k!r}]") for k, v in value.items()}
-    if origin in (tuple, list):
-        if not isinstance(value, list):
-            raise PrecisionError(f"{where}: a JSON list, got {type(value).__name__}")
-        items = [_from_json(args[0], v, f"{where}[{i}]") for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if kind is Any:
-        return value
-    if isinstance(kind, type) and issubclass(kind, Evidence):
-        return kind.from_dict(value, where)
-    if kind is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
-    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
-        raise PrecisionError(f"{where}={value!r}: a {kind.__name__}"[:300])
-    return value
+class Evidence(JsonRecord):
+    """Every evidence class: a dataclass read and written by its own field types (json_record.py)."""
 
 
 @dataclass(frozen=True)
@@ -108,6 +50,7 @@ class CandidateEvidence(Evidence):
     why: str | None = None
     failed: bool = False
     details: dict[str, str] = field(default_factory=dict)
+    record: dict[str, Any] | None = None  # the kept value's record (``value_record``): what the contract is checked by
 
 
 @dataclass(frozen=True)
@@ -155,6 +98,7 @@ class LinearCallEvidence(Evidence):
     ambiguous: tuple[str, ...] = ()
     kept: str | None = None
     why: str | None = None
+    record: dict[str, Any] | None = None
 
 
 def linear_call_key(out_features: int, in_features: int, rows: int) -> str:
@@ -165,10 +109,10 @@ def linear_call_key(out_features: int, in_features: int, rows: int) -> str:
 @dataclass(frozen=True)
 class LinearEvidence(Evidence):
     """Every linear call the run made: ``calls`` ("name N x K at rows" -> its reading), ``read`` ("N x K at rows" ->
-    the order kept, what the contract's LinearOrders must hold), the calls no order matched and why."""
+    the record of the order kept, what the contract's LinearOrders must hold), the calls no order matched and why."""
 
     calls: dict[str, LinearCallEvidence] = field(default_factory=dict)
-    read: dict[str, str] = field(default_factory=dict)
+    read: dict[str, dict[str, Any]] = field(default_factory=dict)
     unmatched: tuple[str, ...] = ()
     why: str | None = None
     failed: bool = False
@@ -193,6 +137,7 @@ class LogprobEvidence(Evidence):
     kept: str | None = None
     why: str | None = None
     mode: str | None = None
+    record: dict[str, Any] | None = None
 
 
 @dataclass(frozen=True)
@@ -237,13 +182,44 @@ class ContractEvidence(Evidence):
         return evidence
 
 
+class KeptValue(Protocol):
+    """A value a probe keeps (a rotary, attention, GDN form, a linear order): described for a reader, recorded for a check."""
+
+    def describe(self) -> str: ...
+
+    def to_dict(self) -> dict[str, Any]: ...
+
+
+def value_record(value: KeptValue | TextEnum) -> dict[str, Any]:
+    """The record of a value a probe kept, what the contract's value is checked against (field by field, never by its
+    description): its own ``to_dict()``, or ``{"form": name}`` for a form that is a name alone (a norm, a log-prob form)."""
+    return {"form": str(value)} if isinstance(value, TextEnum) else value.to_dict()
+
+
+def value_text(value: KeptValue | TextEnum) -> str:
+    """How a reader sees the value kept (``kept``)."""
+    return str(value) if isinstance(value, TextEnum) else value.describe()
+
+
+Keeping = TypeVar("Keeping", bound=CandidateEvidence | LinearCallEvidence | LogprobEvidence)
+
+
+def keeping(evidence: Keeping, value: KeptValue | TextEnum) -> Keeping:
+    """``evidence`` with ``value`` kept: its description (``kept``) and its record (``record``)."""
+    return dataclasses.replace(evidence, kept=value_text(value), record=value_record(value))
+
+
 __all__ = [
     "AttentionEvidence",
     "CandidateEvidence",
     "ContractEvidence",
+    "KeptValue",
     "LinearCallEvidence",
     "LinearEvidence",
     "LogprobEvidence",
     "RunCallsChecked",
+    "keeping",
     "linear_call_key",
+    "value_record",
+    "value_text",
 ]

@@ -42,7 +42,9 @@ from fx_precision.contract.evidence import (
     LinearEvidence,
     LogprobEvidence,
     RunCallsChecked,
+    keeping,
     linear_call_key,
+    value_record,
 )
 from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
 from fx_precision.contract.ops import engine_attention, rotate, round_to
@@ -98,7 +100,7 @@ def match_rotary(
     best = min(counts, key=lambda c: counts[c])
     if counts[best]:
         return None, CandidateEvidence(counts, why="no candidate gives the engine's rotary bits")
-    return candidates[best], CandidateEvidence(counts, kept=candidates[best].describe())
+    return candidates[best], keeping(CandidateEvidence(counts), candidates[best])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -130,7 +132,7 @@ def match_norm(
     if counts[best]:
         return None, CandidateEvidence(counts, why="no candidate gives the engine's norm bits")
     form = NormForm(best.split(" ")[0])
-    return form, CandidateEvidence(counts, kept=str(form))
+    return form, keeping(CandidateEvidence(counts), form)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -236,8 +238,9 @@ def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen:
         rounds.append(counts_longer)
         kept = [a for a in kept if counts_longer[a.describe()] == 0] or kept
     # indistinguishable on these probes: the first in candidate order, recorded as ambiguous
-    return kept[0], AttentionEvidence(counts, kept[0].describe(), not_tried=not_tried, decode=decode_note, separating=separated,
-                                      separating_rounds=tuple(rounds), ambiguous=len(kept) if len(kept) > 1 else 0)  # fmt: skip
+    found = AttentionEvidence(counts, not_tried=not_tried, decode=decode_note, separating=separated, separating_rounds=tuple(rounds),
+                              ambiguous=len(kept) if len(kept) > 1 else 0)  # fmt: skip
+    return kept[0], keeping(found, kept[0])
 
 
 MAX_RUN_CALLS = 512  # distinct attention calls of the run checked whole (decode steps are cheap); past it, the notes say so
@@ -415,7 +418,7 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
     if not whole:
         return None, replace(evidence, why="the orders the probed outputs kept differ from the engine on other outputs")
     ambiguous = tuple(o.describe() for o in whole) if len(whole) > 1 else ()
-    return whole[0], replace(evidence, ambiguous=ambiguous, kept=whole[0].describe())
+    return whole[0], keeping(replace(evidence, ambiguous=ambiguous), whole[0])
 
 
 @contextlib.contextmanager
@@ -446,7 +449,7 @@ def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tens
             if (n, k, rows) not in seen:
                 seen[(n, k, rows)] = (name, *read_linear_order(call, weight, bias, rows, threads, gen))
     found_calls: dict[str, LinearCallEvidence] = {}
-    orders_read: dict[str, str] = {}
+    orders_read: dict[str, dict[str, Any]] = {}
     unmatched: list[str] = []
     read: dict[tuple[int, int, int], LinearOrder | None] = {}
     for (n, k, rows), (name, order, found) in sorted(seen.items()):
@@ -455,7 +458,7 @@ def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tens
         if order is None:
             unmatched.append(f"{name} at {rows} rows")
         else:
-            orders_read[linear_call_key(n, k, rows)] = order.describe()
+            orders_read[linear_call_key(n, k, rows)] = value_record(order)
     why = f"no order gives the engine's bits for {', '.join(unmatched[:3])}" if unmatched else None
     calls_read = tuple(LinearCall(n, k, m, o) for (n, k, m), o in read.items() if o is not None)
     return LinearOrders(threads, calls_read), LinearEvidence(found_calls, orders_read, tuple(unmatched), why)
@@ -515,7 +518,7 @@ def match_logprobs(generation: Generation) -> tuple[LogprobForm | None, LogprobE
     if checked[best] == 0:
         return None, replace(evidence, why="no candidate gives the returned log-probs")
     if one:  # one computation: either name holds
-        return LogprobForm.RAW, replace(evidence, kept=str(LogprobForm.RAW))
+        return LogprobForm.RAW, keeping(evidence, LogprobForm.RAW)
     if checked[LogprobForm.RAW] and checked[LogprobForm.PROCESSED]:
         return None, replace(evidence, why="rows give both forms")
-    return best, replace(evidence, kept=str(best))
+    return best, keeping(evidence, best)

@@ -12,7 +12,7 @@ EngineSession                       one interface, in this process (an adapter's
 │                                             generation's calls (contract/probing.py); out of process: the last one
 ├── load_weights(named tensors) -> digest     the trainer's bf16 weights, in place (the on-policy loop's sync); the
 │                                             tensors_digest of what the engine now runs
-├── describe() -> dict                        how it runs: version, build, ISA, threads, ... (the dump's ``engine``)
+├── describe() -> EngineDescription          how it runs: version, build, ISA, threads, ... (the dump's ``engine``)
 └── close()
 LocalSession(EngineSession)         an adapter's session in this process, also
 └── record_modules(sequences) -> ModulePass   each sequence prefilled alone, every module's inputs and outputs
@@ -32,6 +32,7 @@ import torch
 from fx_precision.contract import EngineContract
 from fx_precision.dump import CallInfo, Dump, Record
 from fx_precision.dump import Sequence as TokenSequence
+from fx_precision.engine_description import EngineDescription
 from fx_precision.errors import PrecisionError
 
 if TYPE_CHECKING:
@@ -153,7 +154,7 @@ class EngineSession(Protocol):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> str: ...
 
-    def describe(self) -> dict[str, Any]: ...
+    def describe(self) -> EngineDescription: ...
 
     def close(self) -> None: ...
 

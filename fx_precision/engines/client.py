@@ -31,11 +31,12 @@ import time
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import IO, Any
+from typing import IO
 
 import torch
 
 from fx_precision.contract import EngineContract
+from fx_precision.engine_description import EngineDescription
 from fx_precision.engines import protocol
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.serve import HEARTBEAT_FD
@@ -124,7 +125,7 @@ class EngineProcess:
         try:
             started = self._call(protocol.Start.of(cfg))
             assert isinstance(started, protocol.Started)
-            self.info: dict[str, Any] = started.info
+            self.description: EngineDescription = started.description()
         except BaseException:
             self.close()
             raise
@@ -231,7 +232,7 @@ class EngineProcess:
             raise PrecisionError("EngineProcess.probe reads the engine's last generation, without a module pass: pass that one")
         reply = self._call(protocol.Probe())
         assert isinstance(reply, protocol.Probed)
-        self.info = reply.info
+        self.description = reply.description()
         contract = EngineContract.from_dict(reply.contract)
         contract.check_evidence()
         return contract
@@ -250,8 +251,8 @@ class EngineProcess:
         """The last generation as an engine dump at ``path`` (module records and the contract where asked)."""
         self._call(protocol.DumpLast(path, modules, seed, samples, probe))
 
-    def describe(self) -> dict[str, Any]:
-        return dict(self.info)
+    def describe(self) -> EngineDescription:
+        return self.description
 
     def close(self) -> None:
         """The engine stopped (asked, then killed) and its weights file removed, whatever state it is in."""

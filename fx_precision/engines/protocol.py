@@ -5,7 +5,8 @@
     decode_reply(Request, line) -> Reply ◀─────    encode(Reply) (or an ErrorReply: one line, the server goes on)
 
     Request               Reply
-    Start(config)         Started(info)                         the engine on one checkpoint (a RolloutConfig)
+    Start(config)         Started(info)                         the engine on one checkpoint (a RolloutConfig); info:
+                                                                its EngineDescription
     Generate(request)     Generated(generation)                 one engine call of a SamplingRequest
     Probe()               Probed(contract, seconds, info)       the contract of the last generation
     DumpLast(...)         Dumped(path)                          the last generation as an engine dump
@@ -26,6 +27,7 @@ from typing import Any, ClassVar
 import torch
 
 from fx_precision.dump import Sequence as TokenSequence
+from fx_precision.engine_description import EngineDescription
 from fx_precision.engines.adapter import Generation, RolloutConfig, SamplingRequest
 from fx_precision.errors import PrecisionError
 
@@ -108,7 +110,10 @@ class Close(Message):
 @dataclass(frozen=True)
 class Started(Message):
     op: ClassVar[str] = "start"
-    info: dict[str, Any]
+    info: dict[str, Any]  # the engine's EngineDescription as JSON
+
+    def description(self) -> EngineDescription:
+        return EngineDescription.from_dict(self.info, "engine protocol: start.info")
 
 
 @dataclass(frozen=True)
@@ -145,7 +150,10 @@ class Probed(Message):
     op: ClassVar[str] = "probe"
     contract: dict[str, Any]
     seconds: float
-    info: dict[str, Any]
+    info: dict[str, Any]  # the engine's EngineDescription as JSON, after the probe
+
+    def description(self) -> EngineDescription:
+        return EngineDescription.from_dict(self.info, "engine protocol: probe.info")
 
 
 @dataclass(frozen=True)

@@ -12,10 +12,11 @@ run_rollout(cfg)
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from fx_precision.contract import EngineContract
 from fx_precision.dump import Dump
+from fx_precision.engine_description import EngineDescription
 from fx_precision.engines import engine_adapter
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.preflight import engine_preflight
@@ -53,15 +54,13 @@ def run_rollout(cfg: RolloutConfig) -> Dump:
         session.close()
 
 
-def engine_dump(config: PretrainedConfig, info: dict[str, Any], generation: Generation, module_pass: ModulePass | None,
+def engine_dump(config: PretrainedConfig, info: EngineDescription, generation: Generation, module_pass: ModulePass | None,
                 contract: EngineContract | None, seed: int, samples: int) -> Dump:  # fmt: skip
     """One generation as an engine dump: its sequences and log-prob records, the module records of ``module_pass``,
     ``engine`` (how it ran: ``info``, its steps and logits calls, the module pass's) and ``contract``."""
-    dump = Dump(
-        _architecture(config), inputs=module_pass is not None, source=f"{info['name']} {info['version']} ({info.get('kernels', '')})"
-    )
+    dump = Dump(_architecture(config), inputs=module_pass is not None, source=info.label())
     dump.engine = {
-        **info,
+        **info.to_dict(),
         "generate_seconds": round(generation.seconds, 3),
         "temperature": generation.temperature,
         "top_k": generation.top_k,  # the sampler's top-k and top-p (0 and 1: off); processed log-probs are renormalised over them

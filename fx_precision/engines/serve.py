@@ -52,7 +52,7 @@ class EngineServer:
         if cfg.prompts:
             checked.check_prompts(cfg.prompts, cfg.max_tokens)
         self.session = checked.adapter.start(cfg)
-        return protocol.Started(self.started.describe())
+        return protocol.Started(self.started.describe().to_dict())
 
     def op_generate(self, request: protocol.Generate) -> protocol.Generated:
         self.generation = self.started.generate(request.sampling())
@@ -63,7 +63,7 @@ class EngineServer:
             raise PrecisionError("engine server: probe before a generate (the probe reads the run's own calls)")
         started = time.perf_counter()
         contract = self.started.probe(self.generation, None)
-        return protocol.Probed(contract.to_dict(), time.perf_counter() - started, self.started.describe())
+        return protocol.Probed(contract.to_dict(), time.perf_counter() - started, self.started.describe().to_dict())
 
     def op_dump(self, request: protocol.DumpLast) -> protocol.Dumped:
         """The last generation as an engine dump at ``path`` (with ``modules``: every module's inputs and outputs of

@@ -213,7 +213,7 @@ def sync_engine(r: Rank, s: StepState) -> None:
     assert s.weights is not None
     s.digest = r.running.sync(s.weights)
     if s.step == 0:
-        r.record.engine = dict(r.running.process.describe())
+        r.record.engine = r.running.process.describe()
 
 
 def roll_out(r: Rank, s: StepState) -> None:
@@ -452,7 +452,7 @@ def _rank_main(rank: int, world: int, cfg: OnPolicyConfig, python: str, root: st
 
     torch.set_num_threads(max(1, int(os.environ.get("FXP_TRAINER_THREADS", "1"))))
     described = {"task": cfg.training.task.describe(), "prompts": None if cfg.sampling.prompts is None else len(cfg.sampling.prompts)}
-    record = OnPolicyRun(cfg.to_record() | described, {}, None, [])
+    record = OnPolicyRun(cfg.to_record() | described, None, None, [])
     r = Rank(rank, world, cfg, vocab, Path(root), [t.name for t in stored_tensors(cfg.checkpoint)], cpu_mesh(world), record)
     try:
         r.engine = _start_engine(r, python)

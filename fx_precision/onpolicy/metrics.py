@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fx_precision.bit_equality import bit_equal
+from fx_precision.engine_description import EngineDescription
 
 if TYPE_CHECKING:
     from fx_precision.onpolicy.batches import StepData
@@ -180,7 +181,7 @@ class OnPolicyRun:
     """What a run did: its config (as JSON), the engine it ran, every step's metrics, and where it stopped."""
 
     config: dict[str, Any]
-    engine: dict[str, Any]
+    engine: EngineDescription | None  # None until the engine started
     contract: str | None
     steps: list[StepMetrics]
     stopped: str | None = None  # why the run stopped before its last step (strict mode's first mismatch, a non-finite step)
@@ -188,8 +189,9 @@ class OnPolicyRun:
     origin: dict[str, Any] | None = None  # strict mode with modules: the comparator's first origin module and op
 
     def to_dict(self) -> dict[str, Any]:
+        engine = self.engine.to_dict() if self.engine is not None else None
         return {
-            "config": self.config, "engine": self.engine, "contract": self.contract, "stopped": self.stopped, "out": self.out,
+            "config": self.config, "engine": engine, "contract": self.contract, "stopped": self.stopped, "out": self.out,
             "origin": self.origin, "steps": [s.to_dict() for s in self.steps], "summary": self.summary(),
             "standard_names": STANDARD_NAMES,
         }  # fmt: skip

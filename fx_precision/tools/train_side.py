@@ -170,7 +170,9 @@ def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | Non
     is followed (``contract_engine``: the engine it must be the contract of; ``follow``: the dump's contract whatever its
     engine, default: where ``contract_engine`` is given), and run the training side on its sequences under it."""
     from fx_precision.contract import contract_notes, contract_of_dump
+    from fx_precision.contract.attention_tiles import longest_row
     from fx_precision.dump import check_engine_dump, load_dump
+    from fx_precision.engine_description import EngineDescription
     from fx_precision.tools.zoo import is_checkpoint_path
 
     if not isinstance(cfg.model, str) or not is_checkpoint_path(cfg.model):
@@ -188,7 +190,7 @@ def against_engine_dump(path: str, cfg: RunConfig, *, contract_engine: str | Non
             raise PrecisionError(
                 f"--contract {contract_engine}: the dump holds {contract.engine}'s contract; pass --contract {contract.engine}"
             )
-        notes = contract_notes(contract, engine.engine or {})
+        notes = contract_notes(contract, EngineDescription.of_run(engine.engine), longest_row(engine.engine or {}))
         if contract.moe is None:
             refuse_moe_contract(engine.engine or {}, f"--contract {contract.engine}", contract.why_unmatched().get(OpClass.MOE))
         if cfg.replay_routes:

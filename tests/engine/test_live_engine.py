@@ -109,7 +109,7 @@ def test_a_planted_mismatch_is_named_by_its_origin_and_op(rollout: dict[str, Pat
 
     engine = load_dump(str(rollout["qwen3-dump"]))
     evidence = engine.contract["evidence"]  # planted with its evidence: a dump whose contract contradicts it is refused
-    kept = {**evidence, "norm": {**evidence["norm"], "kept": "plain"}}
+    kept = {**evidence, "norm": {**evidence["norm"], "kept": "plain", "record": {"form": "plain"}}}
     planted = replace(engine, contract={**engine.contract, "norm": "plain", "evidence": kept})
     train = train_against(planted, RunConfig(str(rollout["qwen3"]), policy=PolicyFlags(), contract=contract_of_dump(planted)))
     result = compare_runs(train, planted)

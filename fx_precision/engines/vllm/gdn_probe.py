@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from fx_precision.contract.evidence import CandidateEvidence
+from fx_precision.contract.evidence import CandidateEvidence, keeping
 from fx_precision.contract.gdn_form import HEAD_DIMS, PORTABLE, GdnForm
 
 if TYPE_CHECKING:
@@ -97,7 +97,7 @@ def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm |
     if differ:
         why = f"the engine's {', '.join(differ)} part(s) from the contract's"
         return None, CandidateEvidence(candidates, why=why, details={"layer": name}), record
-    return form, CandidateEvidence(candidates, kept=form.describe(), details={"layer": name}), record
+    return form, keeping(CandidateEvidence(candidates, details={"layer": name}), form), record
 
 
 def _not_followed(kernels: str, dim: int, value_dim: int, state_dtype: torch.dtype | None) -> str | None:

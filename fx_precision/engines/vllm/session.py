@@ -31,7 +31,7 @@ from fx_precision.checkpoints import read_checkpoint_config, tensors_digest, wei
 from fx_precision.contract import EngineContract, RotaryOp
 from fx_precision.contract.attention_tiles import KvTiling
 from fx_precision.contract.batch_rows import attention_calls
-from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence
+from fx_precision.contract.evidence import AttentionEvidence, CandidateEvidence, ContractEvidence, LinearEvidence, keeping
 from fx_precision.contract.inductor_build import inductor_build
 from fx_precision.contract.inductor_norms import NormReduction, engine_norm_reductions
 from fx_precision.contract.linear_order import LinearOrders
@@ -48,6 +48,7 @@ from fx_precision.contract.probing import (
 from fx_precision.contract.vocabulary import NormForm, OpClass, RotaryForm
 from fx_precision.dump import CallInfo, Record
 from fx_precision.dump import Sequence as TokenSequence
+from fx_precision.engine_description import EngineDescription
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
 from fx_precision.engines.vllm.cpu_family import FamilySettings, cpu_flags, family_settings, native_family
 from fx_precision.engines.vllm.gdn_probe import probe_gdn
@@ -334,43 +335,44 @@ class VllmSession:
         self.model = self.llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner.model
         self.compiled = int(self.llm.llm_engine.vllm_config.compilation_config.mode) != 0  # CompilationMode.NONE: eager
         attn = next((m for m in self.model.modules() if hasattr(m, "isa") and hasattr(m, "impl")), None)
-        self.info: dict[str, Any] = {
-            "name": "vllm",
-            "version": vllm.__version__,
-            "package": _dist_name(),
-            "dtype": "bf16",
-            "model_class": type(self.model).__name__,
-            "custom_ops": cfg.custom_ops,
-            "launch": cfg.launch,
-            "compilation_mode": str(self.llm.llm_engine.vllm_config.compilation_config.mode),
-            "compiled": self.compiled,
-            "inductor": inductor_build() if self.compiled else None,
+        self.description = EngineDescription(
+            name="vllm",
+            version=vllm.__version__,
+            package=_dist_name(),
+            dtype="bf16",
+            model_class=type(self.model).__name__,
+            custom_ops=cfg.custom_ops,
+            launch=cfg.launch,
+            compilation_mode=str(self.llm.llm_engine.vllm_config.compilation_config.mode),
+            compiled=self.compiled,
+            inductor=inductor_build() if self.compiled else None,
             **self._norm_reductions(),
-            "prefix_caching": bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
-            "attention_backend": type(attn.impl).__name__ if attn is not None else None,
-            "attention_isa": getattr(attn, "isa", None),
-            "kernels": _kernel_build(),
-            "cpu_family": str(family.family),  # what the engine ran as (--isa; auto: this machine's own)
-            "native_family": str(native_family()),
-            "onednn_max_isa": os.environ.get("ONEDNN_MAX_CPU_ISA"),
-            "aten_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_flags": sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"}),
-            "threads": torch.get_num_threads(),
-            "block_size": _attention_block_size(attn, int(self.llm.llm_engine.vllm_config.cache_config.block_size)),
-            "l2_cache_bytes": int(torch.cpu.get_capabilities().get("l2_cache_size") or 0) or None,  # the attention tiles from it
-            "head_dim": _head_dim(self.config),
-            "attention_window": int(getattr(attn.impl, "sliding_window", -1) or -1) if attn is not None else -1,  # -1: none
-            "max_model_len": self.max_len,
-            "kv_cache_gib": int(kv_cache),
-            "checkpoint": str(cc.file.parent.resolve()),
-            "weights": weights_digest(cc.file.parent),
-            "split_kv": os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0",
-            "logprobs": cfg.logprobs,
-            "start_seconds": round(time.perf_counter() - started, 1),
-        }
-        self._gdn = probe_gdn(self.model, self.info["kernels"], torch.Generator().manual_seed(20261205))
+            prefix_caching=bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
+            attention_backend=type(attn.impl).__name__ if attn is not None else None,
+            attention_isa=getattr(attn, "isa", None),
+            kernels=_kernel_build(),
+            cpu_family=str(family.family),  # what the engine ran as (--isa; auto: this machine's own)
+            native_family=str(native_family()),
+            onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"),
+            aten_capability=torch.backends.cpu.get_cpu_capability(),
+            cpu_flags=tuple(sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile"})),
+            threads=torch.get_num_threads(),
+            block_size=_attention_block_size(attn, int(self.llm.llm_engine.vllm_config.cache_config.block_size)),
+            l2_cache_bytes=int(torch.cpu.get_capabilities().get("l2_cache_size") or 0) or None,  # the attention tiles from it
+            head_dim=_head_dim(self.config),
+            attention_window=int(getattr(attn.impl, "sliding_window", -1) or -1) if attn is not None else -1,  # -1: none
+            max_model_len=self.max_len,
+            kv_cache_gib=int(kv_cache),
+            checkpoint=str(cc.file.parent.resolve()),
+            weights=weights_digest(cc.file.parent),
+            split_kv=os.environ.get("VLLM_CPU_ATTN_SPLIT_KV", "1") != "0",
+            logprobs=cfg.logprobs,
+            start_seconds=round(time.perf_counter() - started, 1),
+        )
+        self._gdn = probe_gdn(self.model, self.description.kernels or "", torch.Generator().manual_seed(20261205))
         if self._gdn[2]:
-            self.info["gdn"] = self._gdn[2]  # its layers and how they ran: the dump's split of each sequence reads it
+            # its layers and how they ran: the dump's split of each sequence reads it
+            self.description = replace(self.description, gdn=self._gdn[2])
         self.norm_calls = {"with_residual": 0, "without": 0}
         # what the probes read stays read while this engine lives (forms and orders do not depend on the weights'
         # values): a later run probes only the calls it is the first to make
@@ -463,12 +465,12 @@ class VllmSession:
         attention, attention_found = _never_fatal(OpClass.ATTENTION, AttentionEvidence, self._attention_at_run, generation, gen)
         body = {len(rows) for rows in generation.steps} | ({len(rows) for rows in module_pass.steps} if module_pass else set())
         logits = {rows for _, rows in generation.logits_calls} | ({rows for _, rows in module_pass.logits_calls} if module_pass else set())
-        calls = linear_calls(self.model, self.info["checkpoint"])
+        calls = linear_calls(self.model, str(self.description.checkpoint))
         linears, linear_found = _never_fatal(OpClass.LINEARS, LinearEvidence, read_linear_calls, calls, body, logits,
-                                             int(self.info["threads"]), gen, self._linears_seen)  # fmt: skip
+                                             self.description.threads, gen, self._linears_seen)  # fmt: skip
         logprobs, logprob_found = match_logprobs(generation)
         evidence = ContractEvidence(
-            attention_isa=self.info["attention_isa"], kernels=self.info["kernels"], cpu_family=self.info["cpu_family"],
+            attention_isa=self.description.attention_isa, kernels=self.description.kernels, cpu_family=self.description.cpu_family,
             rotary=rotary_found, norm=norm_found, eager_math=self._probed.get(OpClass.EAGER_MATH, (None, None))[1],
             attention=attention_found, linears=linear_found, logprobs=replace(logprob_found, mode=f"{self.cfg.logprobs}_logprobs"),
         )  # fmt: skip
@@ -489,11 +491,11 @@ class VllmSession:
         if gdn is None and gdn_found is not None:  # a GatedDeltaNet model whose kernels the contract does not follow: said why
             unmatched += ((OpClass.GDN, str(gdn_found.why or "no candidate matched")),)
         evidence = replace(evidence, gdn=gdn_found)
-        linears = linears if linears is not None else LinearOrders(int(self.info["threads"]))
-        reductions = self.info.get("inductor_norms")
-        return EngineContract("vllm", self.info["version"], norm, rotary, attention, linears, logprobs,
-                              self.info["aten_capability"], unmatched, evidence, self.kv_tiling(), moe,
-                              self.info["inductor"] if self.compiled else None,
+        linears = linears if linears is not None else LinearOrders(self.description.threads)
+        reductions = self.description.inductor_norms
+        return EngineContract("vllm", self.description.version, norm, rotary, attention, linears, logprobs,
+                              self.description.aten_capability, unmatched, evidence, self.kv_tiling(), moe,
+                              self.description.inductor if self.compiled else None,
                               tuple(NormReduction.from_dict(r) for r in reductions) if self.compiled and reductions else None,
                               gdn, LogitsForm(*logits_processing(self.model)))  # fmt: skip
 
@@ -509,7 +511,7 @@ class VllmSession:
         reductions, where = engine_norm_reductions(cache, isa.nelements(torch.float32) if isa else None)
         if reductions is None:
             return {"inductor_norms": None, "inductor_norms_why": where}
-        return {"inductor_norms": [r.to_dict() for r in reductions], "inductor_code": where}
+        return {"inductor_norms": tuple(r.to_dict() for r in reductions), "inductor_code": where}
 
     def _moe(self, gen: torch.Generator) -> tuple[MoeKernel | None, CandidateEvidence | None]:
         """The engine's MoE layers read (contract/moe.py): (None, None) for a dense model; else its router and fused
@@ -527,18 +529,20 @@ class VllmSession:
         cc = self.llm.llm_engine.vllm_config.compilation_config
         enabled = sorted(str(op) for op in cc.enabled_custom_ops)
         details = {"compiler": str(cc.backend or "inductor"), "mode": str(cc.mode), "custom_ops_on": ", ".join(enabled) or "none",
-                   "inductor": self.info["inductor"]}  # fmt: skip
+                   "inductor": str(self.description.inductor)}  # fmt: skip
         kernels = [op for op in enabled if op.split(".")[-1] in ("rms_norm", "fused_add_rms_norm", "rotary_embedding", "silu_and_mul")]
         if kernels or str(cc.backend or "inductor") != "inductor":
             why = f"{COMPILED_ENGINE} (custom ops on: {', '.join(kernels) or 'none'}; backend {cc.backend!r})"
             return {c: (None, CandidateEvidence(why=why, details=details)) for c in (OpClass.ROTARY, OpClass.NORM, OpClass.EAGER_MATH)}
         rope = first_module(self.model, "RotaryEmbedding")
         if rope is None:
-            rotary, rotary_found = RotaryOp(RotaryForm.NONE, None), CandidateEvidence(kept="none", details=details)
+            rotary = RotaryOp(RotaryForm.NONE, None)
+            rotary_found = keeping(CandidateEvidence(details=details), rotary)
         elif not hasattr(rope, "cos_sin_cache") or not rope.is_neox_style:
             rotary, rotary_found = None, CandidateEvidence(why=f"{COMPILED_ENGINE}: {type(rope).__name__} is not vLLM's neox rotary")
         else:  # vLLM's rotary module, its native form compiled: the tables computed eagerly at load, the rotation in the graph
-            rotary, rotary_found = RotaryOp(RotaryForm.INDUCTOR, None), CandidateEvidence(kept="inductor", details=details)
+            rotary = RotaryOp(RotaryForm.INDUCTOR, None)
+            rotary_found = keeping(CandidateEvidence(details=details), rotary)
         if self._probed[OpClass.NORM][0] not in (NormForm.FUSED_ADD, NormForm.INDUCTOR):  # the model adds its residual itself
             # (INDUCTOR: this engine's forms read at an earlier probe, the on-policy loop's every step)
             why = ("the compiled engine (--launch defaults): the model adds its residual itself, not through vLLM's fused add and "
@@ -546,7 +550,7 @@ class VllmSession:
                    "it, which the contract does not follow; roll out with --launch eager, which it does")  # fmt: skip
             return {OpClass.NORM: (None, CandidateEvidence(why=why, details=details)), OpClass.ROTARY: (rotary, rotary_found)}
         return {
-            OpClass.NORM: (NormForm.INDUCTOR, CandidateEvidence(kept=str(NormForm.INDUCTOR), details=details)),
+            OpClass.NORM: (NormForm.INDUCTOR, keeping(CandidateEvidence(details=details), NormForm.INDUCTOR)),
             OpClass.ROTARY: (rotary, rotary_found),
             OpClass.EAGER_MATH: (True, CandidateEvidence(kept="the rotary tables only", details=details)),
         }
@@ -554,10 +558,12 @@ class VllmSession:
     def _rotary(self, gen: torch.Generator) -> tuple[RotaryOp | None, CandidateEvidence]:
         rope = first_module(self.model, "RotaryEmbedding")
         if rope is None:
-            return RotaryOp(RotaryForm.NONE, None), CandidateEvidence(kept="none", details={"module": "the model has no rotary module"})
+            none = RotaryOp(RotaryForm.NONE, None)
+            return none, keeping(CandidateEvidence(details={"module": "the model has no rotary module"}), none)
         if not hasattr(rope, "cos_sin_cache"):  # transformers' module (the engine's Transformers backend): the training side's code
             module = f"{type(rope).__module__}.{type(rope).__name__}"
-            return RotaryOp(RotaryForm.NATIVE, None), CandidateEvidence(kept="native", details={"module": module})
+            native = RotaryOp(RotaryForm.NATIVE, None)
+            return native, keeping(CandidateEvidence(details={"module": module}), native)
         if not rope.is_neox_style:  # GPT-J style pairs: the contract's rotary takes neox halves
             return None, CandidateEvidence(why="interleaved (GPT-J style) rotary pairs: not followed")
         head, rot = int(rope.head_size), int(rope.rotary_dim)
@@ -565,13 +571,12 @@ class VllmSession:
 
     def _norm(self, gen: torch.Generator) -> tuple[NormForm | None, CandidateEvidence]:
         norm, how = fused_norm(self.model)
-        plain = str(NormForm.PLAIN)
         if self.norm_calls["without"] and not self.norm_calls["with_residual"]:  # the model adds its residual itself (Granite)
-            return NormForm.PLAIN, CandidateEvidence(kept=plain, details={"called": str(dict(self.norm_calls))})
+            return NormForm.PLAIN, keeping(CandidateEvidence(details={"called": str(dict(self.norm_calls))}), NormForm.PLAIN)
         if how == "none":
-            return NormForm.PLAIN, CandidateEvidence(kept=plain, details={"module": "no norm after an attention block"})
+            return NormForm.PLAIN, keeping(CandidateEvidence(details={"module": "no norm after an attention block"}), NormForm.PLAIN)
         if how in ("model", "no residual"):
-            return NormForm.PLAIN, CandidateEvidence(kept=plain, details={"module": f"{type(norm).__name__}: {how}"})
+            return NormForm.PLAIN, keeping(CandidateEvidence(details={"module": f"{type(norm).__name__}: {how}"}), NormForm.PLAIN)
         eps = float(getattr(norm, "variance_epsilon", getattr(norm, "eps", 1e-6)))
         return match_norm(lambda x, r: norm(x, r)[0], norm.weight.detach(), eps, gen)
 
@@ -579,7 +584,7 @@ class VllmSession:
         heads = int(self.config.num_attention_heads)
         kv_heads = int(getattr(self.config, "num_key_value_heads", heads))
         dim = int(getattr(self.config, "head_dim", None) or self.config.hidden_size // heads)
-        isa, block, split = self.info["attention_isa"], int(self.info["block_size"]), bool(self.info["split_kv"])
+        isa, block, split = str(self.description.attention_isa), int(self.description.block_size or 0), self.description.split_kv
         scale = dim**-0.5
 
         def run(requests: list[Any]) -> list[torch.Tensor]:
@@ -591,8 +596,8 @@ class VllmSession:
         """Where this engine's attention places its KV tiles (its ISA, L2, threads, split-KV; the model's heads), with
         the model's sliding window (``window`` None) or another (the probes' calls: -1)."""
         _, heads, kv_heads, _ = self._attention_run()
-        own = int(self.info.get("attention_window") or -1)
-        return KvTiling.of_engine(self.info, heads, kv_heads, own if window is None else window)
+        own = self.description.attention_window
+        return KvTiling.of_engine(self.description, heads, kv_heads, own if window is None else window)
 
     def _attention_arith(self, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         run, heads, kv_heads, dim = self._attention_run()
@@ -631,12 +636,12 @@ class VllmSession:
                     method.process_weights_after_loading(module)
             repack_experts(self.model)
         self.llm.reset_prefix_cache()
-        self.info["weights"] = tensors_digest(named.items())  # what it runs now: the dump's weights identity
-        self.info["weights_source"] = "synced in memory"
-        return str(self.info["weights"])
+        digest = tensors_digest(named.items())  # what it runs now: the dump's weights identity
+        self.description = replace(self.description, weights=digest, weights_source="synced in memory")
+        return digest
 
-    def describe(self) -> dict[str, Any]:
-        return {**self.info, "norm_calls": dict(self.norm_calls)}
+    def describe(self) -> EngineDescription:
+        return replace(self.description, norm_calls=dict(self.norm_calls))
 
     def close(self) -> None:
         self.llm = None
