@@ -44,6 +44,7 @@ from fx_precision.contract.batch_rows import GDN_DECODE, GDN_NONE, active_forwar
 from fx_precision.contract.gdn_form import CHUNK, HEAD_DIMS, GdnForm
 from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.op_context import OpContext
+from fx_precision.contract.ops.forward_state import declare_forward_state
 from fx_precision.errors import PrecisionError
 
 # GDN_DECODE: a row the engine's decode kernel computed (one token of a request that had a state); GDN_NONE: a row the
@@ -319,6 +320,7 @@ def _gdn_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | No
 
 
 engine_gdn.register_autograd(_gdn_backward, setup_context=_gdn_setup)
+declare_forward_state(engine_gdn)
 
 
 @torch.library.custom_op("fxp_engine::gated_rms_norm", mutates_args=())

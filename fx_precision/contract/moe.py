@@ -30,6 +30,7 @@ from typing import Any
 import torch
 
 from fx_precision.contract.op_context import OpContext
+from fx_precision.contract.ops.forward_state import declare_forward_state
 from fx_precision.contract.vocabulary import MOE_COMBINES as COMBINES
 from fx_precision.contract.vocabulary import MOE_EXPS as EXPS
 from fx_precision.contract.vocabulary import MOE_STORES as STORES
@@ -103,7 +104,8 @@ _SINK: contextvars.ContextVar[list[torch.Tensor] | None] = contextvars.ContextVa
 
 
 def route_sink(sink: list[torch.Tensor] | None) -> contextvars.Token[list[torch.Tensor] | None]:
-    """Every ``moe_route`` call appends its expert ids to ``sink`` until the token is reset (routes.RouteTap)."""
+    """Every ``record_routes`` call (one after each ``moe_route`` of the rewrite) appends its expert ids to ``sink``
+    until the token is reset (routes.RouteTap)."""
     return _SINK.set(sink)
 
 
@@ -116,9 +118,6 @@ def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> tuple[torc
     if logits.dtype != torch.bfloat16 or logits.dim() != 2:
         raise PrecisionError(f"engine router: bf16 logits [tokens, experts], got {logits.dtype} {tuple(logits.shape)}")
     weights, ids = engine_route(logits.cpu(), top_k, renormalize)
-    sink = _SINK.get()
-    if sink is not None:
-        sink.append(ids.clone())
     return weights.to(logits.device), ids.to(logits.device)
 
 
@@ -161,6 +160,23 @@ def _route_backward(ctx: OpContext, grad_weights: torch.Tensor, _grad_ids: torch
 
 
 moe_route.register_autograd(_route_backward, setup_context=_route_setup)
+
+
+@torch.library.custom_op("fxp_engine::record_routes", mutates_args=())
+def record_routes(ids: torch.Tensor) -> None:
+    """The expert ids a router op chose, appended to the route sink where one is open (``route_sink``): the forward's
+    routes for RouteTap. A recompute in backward (activation checkpointing) records nothing: each route once."""
+    sink = _SINK.get()
+    if sink is not None and torch._C._current_graph_task_id() == -1:  # -1: not inside autograd's backward
+        sink.append(ids.detach().clone())
+
+
+@record_routes.register_fake
+def _(ids):
+    return None
+
+
+declare_forward_state(record_routes)  # its only result is the sink's entry: an effect, never dropped, in order
 
 
 @torch.library.custom_op("fxp_engine::fused_moe", mutates_args=())

@@ -21,8 +21,10 @@
         state     not pure functions of their tensors: residual_add writes, unrounded_residual reads, and linear
                   (and attention, for its KV tiles when none are passed) reads the forward's state
                   (ContractForward: its row plan and its sums, behind a ContextVar), which lives while
-                  engine_rows is open; outside it they refuse in one line. A recompute inside it (activation
-                  checkpointing with backward inside engine_rows) reads the same state: the same bits
+                  engine_rows is open; outside it they refuse in one line. Declared to the compiler as ordered
+                  effects (forward_state.py, with gdn, record_routes and inductor_sum_squares): kept in order,
+                  never dropped or recomputed by a pass; a recompute inside engine_rows (activation
+                  checkpointing with backward inside it) reads the same state: the same bits
         backward  straight through, as an add's and a cast's
     fxp_engine::eager_math(x, op, dims, keepdim, exponent) -> out
         forward   torch's eager kernel for a reduction (mean, sum) or a transcendental (exp, cos, sin,

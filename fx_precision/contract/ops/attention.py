@@ -12,6 +12,7 @@ import torch
 from fx_precision.contract.batch_rows import active_rows
 from fx_precision.contract.kernels import attention_variant, engine_kernels
 from fx_precision.contract.op_context import OpContext
+from fx_precision.contract.ops.forward_state import declare_forward_state
 from fx_precision.errors import PrecisionError
 
 
@@ -164,3 +165,4 @@ def _attention_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tenso
 
 
 engine_attention.register_autograd(_attention_backward, setup_context=_attention_setup)
+declare_forward_state(engine_attention)

@@ -13,6 +13,7 @@ from fx_precision.contract.batch_rows import EngineRows, active_rows
 from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.linear_order import LinearOrder
 from fx_precision.contract.op_context import OpContext
+from fx_precision.contract.ops.forward_state import declare_forward_state
 from fx_precision.errors import PrecisionError
 
 
@@ -93,3 +94,4 @@ def _linear_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor |
 
 
 engine_linear.register_autograd(_linear_backward, setup_context=_linear_setup)
+declare_forward_state(engine_linear)

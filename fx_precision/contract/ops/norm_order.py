@@ -8,6 +8,7 @@ from typing import Any
 import torch
 
 from fx_precision.contract.op_context import OpContext
+from fx_precision.contract.ops.forward_state import declare_forward_state
 
 
 @torch.library.custom_op("fxp_engine::inductor_sum_squares", mutates_args=())
@@ -35,3 +36,4 @@ def _sum_squares_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Ten
 
 
 inductor_sum_squares.register_autograd(_sum_squares_backward, setup_context=_sum_squares_setup)
+declare_forward_state(inductor_sum_squares)

@@ -12,6 +12,7 @@ import torch
 
 from fx_precision.contract.batch_rows import active_forward
 from fx_precision.contract.op_context import OpContext
+from fx_precision.contract.ops.forward_state import declare_forward_state
 from fx_precision.errors import PrecisionError
 
 
@@ -56,6 +57,7 @@ def _residual_add_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Te
 
 
 residual_add.register_autograd(_residual_add_backward, setup_context=_residual_add_setup)
+declare_forward_state(residual_add)
 
 
 @torch.library.custom_op("fxp_engine::unrounded_residual", mutates_args=())
@@ -83,6 +85,7 @@ def _unrounded_backward(ctx: OpContext, grad: torch.Tensor) -> torch.Tensor:
 
 
 unrounded_residual.register_autograd(_unrounded_backward, setup_context=_unrounded_setup)
+declare_forward_state(unrounded_residual)
 
 
 @torch.library.custom_op("fxp_engine::stored", mutates_args=())

@@ -3,6 +3,7 @@
     router    the linear of the router (the linears rewrite, after this one, makes it the engine's GEMM), then softmax /
               top-k / renormalisation however the model writes them
               ->  fxp_engine.moe_route(logits bf16, k, renormalize)          the engine's top-k and weights
+                  fxp_engine.record_routes(ids)                              the routes, to a RouteTap where open
     experts   the calls of a module holding stacked expert weights (w13 [E, 2I, H]: gate rows then up rows, w2
               [E, H, I]) on the hidden states, the routes' ids and weights (transformers' grouped_mm, or any loop)
               ->  fxp_engine.fused_moe(x, w13, w2, weights, ids)             the engine's fused experts
@@ -173,6 +174,7 @@ def _rewrite_region(graph: fx.Graph, path: str, region: list[fx.Node], contract:
         route = graph.call_function(torch.ops.fxp_engine.moe_route.default, (logits16, moe.top_k, moe.renormalize))
         route_weights = graph.call_function(operator.getitem, (route, 0))
         route_ids = graph.call_function(operator.getitem, (route, 1))
+        graph.call_function(torch.ops.fxp_engine.record_routes.default, (route_ids,))  # the routes, to a RouteTap if open
         if compiled:  # the compiled engine's router weights are Inductor's kernel of vLLM's native ops: the same ops here
             route_weights = _native_route_weights(graph, logits16, route_ids, moe.renormalize)
         made = graph.call_function(
