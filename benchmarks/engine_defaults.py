@@ -18,7 +18,7 @@ Run from the main environment (the engine environment from ``python -m fx_precis
         [--archs qwen3,llama,qwen2] [--shapes qwen3-0.6b,llama-3.2-1b,qwen2.5-0.5b] [--layers 2] [--step qwen3-0.6b]
         [--experts N] (an MoE shape cut to N experts per layer: qwen3-next-80b-a3b's 512 do not fit 24 GiB)
         (each compare runs in this process: the published shapes' long prompts want the machine's memory to themselves)
-        [--onpolicy-steps 8] [--samples 4] [--temperature 1.0] [--json FILE]
+        [--onpolicy-steps 8] [--samples 4] [--temperature 1.0] [--isa auto|avx512|avx2] [--json FILE]
 
 Prints a table; JSON with the machine, the versions and the command, written after each part ("complete": false until
 the run ends, so a run cut short keeps what it measured).
@@ -52,7 +52,7 @@ def rollout_at_defaults(engine_python: str, checkpoint: Path, out: Path, args: a
                         samples: int, max_tokens: int) -> dict[str, Any]:  # fmt: skip
     command = [engine_python, "-m", "fx_precision.tools.cli", "rollout", "--launch", "defaults", "--model", str(checkpoint),
                "--prompt-lens", prompt_lens, "--samples", str(samples), "--temperature", str(args.temperature), "--max-tokens",
-               str(max_tokens), "--seed", str(args.seed), "--out", str(out), "--overwrite", "--json"]  # fmt: skip
+               str(max_tokens), "--seed", str(args.seed), "--isa", args.isa, "--out", str(out), "--overwrite", "--json"]  # fmt: skip
     started = time.perf_counter()
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
@@ -156,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--seed", type=int, default=3)
+    parser.add_argument("--isa", default="auto", choices=["auto", "avx512", "avx2"],
+                        help="the engine's kernel build (rollout --isa): auto, as its users launch it on this machine; avx2, the "
+                        "portable build, whose GatedDeltaNet kernels the contract follows on any x86 CPU")  # fmt: skip
     parser.add_argument("--onpolicy-steps", type=int, default=8, help="steps of each on-policy run (0: none)")
     parser.add_argument("--onpolicy-arch", default="qwen3", help="the on-policy runs' tiny checkpoint")
     parser.add_argument("--json", metavar="FILE", help="write the rows and their provenance here")

@@ -21,7 +21,7 @@ import torch
 import fx_precision as fxp
 from fx_precision.contract import AttentionArithmetic, EngineContract
 from fx_precision.contract.batch_rows import GDN_DECODE, GDN_NONE, EngineRows, engine_rows
-from fx_precision.contract.gdn import engine_gdn, gdn_forward, gdn_reference
+from fx_precision.contract.gdn import GdnLayer, engine_gdn, gdn_forward, gdn_reference
 from fx_precision.contract.gdn_form import PORTABLE, GdnForm
 from fx_precision.contract.linear_order import LinearOrders, candidate_orders
 from fx_precision.errors import PrecisionError
@@ -66,7 +66,7 @@ def test_every_split_of_the_rows_stays_the_delta_rule(H: int, Hv: int, D: int, K
     }
     results = {}
     for name, plan in splits.items():
-        got = gdn_forward(x, weight, a, b, A_log, dt_bias, plan, H, state_bf16, 1e-5)
+        got = gdn_forward(x, a, b, plan, GdnLayer(weight, A_log, dt_bias, H, state_bf16, 1e-5))
         assert got.dtype == BF16 and got.shape == want.shape
         err = (got.float() - want).abs().max().item()
         assert err < tol * max(1.0, want.abs().max().item()), f"{name}: max |delta| {err}"
@@ -92,14 +92,14 @@ def test_the_reference_is_the_models_own_delta_rule() -> None:
 
 def test_rows_never_computed_are_zero_and_bad_plans_and_dims_are_refused() -> None:
     x, weight, a, b, A_log, dt_bias = _layer_inputs(20, 2, 4, 64, 4, seed=3)
-    got = gdn_forward(x, weight, a, b, A_log, dt_bias, _plan(("prefill", 15), ("none", 5)), 2, False, 1e-5)
+    got = gdn_forward(x, a, b, _plan(("prefill", 15), ("none", 5)), GdnLayer(weight, A_log, dt_bias, 2, False, 1e-5))
     assert torch.equal(got[0, 15:], torch.zeros_like(got[0, 15:])) and got[0, :15].abs().sum() > 0
     bad = torch.tensor([[0] * 10 + [3] * 10], dtype=torch.int32)  # a piece that says it starts where it does not
     with pytest.raises(PrecisionError, match=r"gdn plan: row 10 is in the piece starting at row 3"):
-        gdn_forward(x, weight, a, b, A_log, dt_bias, bad, 2, False, 1e-5)
+        gdn_forward(x, a, b, bad, GdnLayer(weight, A_log, dt_bias, 2, False, 1e-5))
     x32, w32, a32, b32, A32, dt32 = _layer_inputs(20, 2, 4, 32, 4, seed=3)
     with pytest.raises(PrecisionError, match=r"no head dim the engine runs \(64, 128"):
-        gdn_forward(x32, w32, a32, b32, A32, dt32, _plan(("prefill", 20)), 2, False, 1e-5)
+        gdn_forward(x32, a32, b32, _plan(("prefill", 20)), GdnLayer(w32, A32, dt32, 2, False, 1e-5))
     with pytest.raises(PrecisionError, match=r"fxp_engine.gdn at layer.0 ran outside .*engine_rows"):
         engine_gdn(x, weight, a, b, A_log, dt_bias, 2, False, 1e-5, "layer.0")
     with pytest.raises(PrecisionError, match=r"GdnForm.kernels='avx512'"):

@@ -24,7 +24,7 @@ its rows. Followed: the engine's portable kernel build (``_C_AVX2``: every x86 C
 it on an AVX-512 CPU); its AVX-512 builds (prepacked conv kernels, a polynomial exp, brgemm) are refused in one line.
 
     GdnForm                 what the probe read: the kernel build, the state cache's dtype, eps (gdn_form.py)
-    gdn_forward(...)        one layer's core for a batch, piece by piece (the op's forward)
+    gdn_forward(x, a, b, plan, GdnLayer)   one layer's core for a batch, piece by piece (the op's forward)
     gdn_reference(...)      the same in plain differentiable fp32 torch, every token through one chunked recurrence
                             (the op's backward differentiates it: gradients close to the model's own, not bitwise)
     fxp_engine::gdn         conv + gating + delta rule of one layer: [B, C, T] conv input -> [B, T, Hv, D]
@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -179,11 +180,25 @@ def _pieces(plan: list[int]) -> list[tuple[str, int, int]]:
     return runs
 
 
-def gdn_forward(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-                plan: torch.Tensor, key_heads: int, state_bf16: bool, eps: float) -> torch.Tensor:  # fmt: skip
+@dataclass(frozen=True)
+class GdnLayer:
+    """What one GatedDeltaNet layer's core reads besides its rows: the conv ``weight`` ([C, 1, K] or [C, K]), ``A_log``
+    and ``dt_bias`` ([Hv]), its key heads, and the form's state dtype (``state_bf16``) and ``eps``."""
+
+    weight: torch.Tensor
+    A_log: torch.Tensor
+    dt_bias: torch.Tensor
+    key_heads: int
+    state_bf16: bool
+    eps: float
+
+
+def gdn_forward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, layer: GdnLayer) -> torch.Tensor:
     """One GatedDeltaNet layer's core as the engine computed each row (module docstring). ``x``: the conv's input
-    [B, C, T]; ``weight``: [C, 1, K] or [C, K]; ``a``, ``b``: [B, T, Hv]; ``plan``: [B, T] int32 (``GDN_DECODE``,
-    ``GDN_NONE`` or the first row of a row's prefill piece). Returns [B, T, Hv, D] bf16 (zeros where never computed)."""
+    [B, C, T]; ``a``, ``b``: [B, T, Hv]; ``plan``: [B, T] int32 (``GDN_DECODE``, ``GDN_NONE`` or the first row of a row's
+    prefill piece). Returns [B, T, Hv, D] bf16 (zeros where never computed)."""
+    weight, A_log, dt_bias, key_heads, state_bf16, eps = (layer.weight, layer.A_log, layer.dt_bias, layer.key_heads, layer.state_bf16,
+                                                           layer.eps)  # fmt: skip
     B, C, T = x.shape
     Hv = a.shape[-1]
     w = _bf16(weight.reshape(C, -1))
@@ -291,7 +306,7 @@ def engine_gdn(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.
     if tuple(plan.shape) != (x.shape[0], x.shape[2]):
         raise PrecisionError(f"fxp_engine.gdn at {where or '<root>'}: the plan is {tuple(plan.shape)}, the batch "
                              f"{(x.shape[0], x.shape[2])}")  # fmt: skip
-    return gdn_forward(x, weight, a, b, A_log, dt_bias, plan, key_heads, state_bf16, eps).to(x.dtype)
+    return gdn_forward(x, a, b, plan, GdnLayer(weight, A_log, dt_bias, key_heads, state_bf16, eps)).to(x.dtype)
 
 
 @engine_gdn.register_fake
