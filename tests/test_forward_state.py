@@ -130,7 +130,7 @@ def test_the_delta_rule_recomputed_reads_the_same_pieces() -> None:
 
     def delta_rule(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
                    dt_bias: torch.Tensor) -> torch.Tensor:  # fmt: skip
-        return engine_gdn(x, weight, a, b, A_log, dt_bias, 2, False, 1e-5, "layer.0")
+        return engine_gdn(x, weight, a, b, A_log, dt_bias, 2, False, 1e-5, "portable", "layer.0")
 
     _same_bits(_runs(delta_rule, (x, weight, a, b, A_log, dt_bias), _rows((1, 20), LinearOrders(1), gdn=plan)))
 
@@ -175,7 +175,7 @@ OUTSIDE = {  # the ops whose state is the forward's own: outside engine_rows the
     "linear": lambda: engine_linear(torch.ones(1, 4, 32, dtype=BF16), torch.ones(8, 32, dtype=BF16), None, False, 0, "proj"),
     "residual_add": lambda: residual_add(torch.ones(1, 4, 32, dtype=BF16), torch.ones(1, 4, 32, dtype=BF16)),
     "unrounded_residual": lambda: unrounded_residual(torch.ones(1, 4, 32, dtype=BF16)),
-    "gdn": lambda: engine_gdn(*_layer_inputs(4, 2, 4, 64, 4, seed=0), 2, False, 1e-5, "layer.0"),
+    "gdn": lambda: engine_gdn(*_layer_inputs(4, 2, 4, 64, 4, seed=0), 2, False, 1e-5, "portable", "layer.0"),
 }
 
 

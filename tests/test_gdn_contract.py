@@ -74,6 +74,30 @@ def test_every_split_of_the_rows_stays_the_delta_rule(H: int, Hv: int, D: int, K
     assert not torch.equal(results["one piece"], results["prefill then decode"])  # the decode kernel is its own arithmetic
 
 
+@pytest.mark.skipif(not torch.cpu._is_avx512_supported(), reason="the AVX-512 build's kernels call this CPU's VRCP14PS: no AVX-512 here")
+@pytest.mark.parametrize(("H", "Hv", "D"), [(2, 4, 64), (1, 32, 128)])
+def test_the_avx512_builds_kernels_stay_the_delta_rule_at_every_split(H: int, Hv: int, D: int) -> None:
+    """The engine's AVX-512 build (its exp_u20, VRCP14PS sigmoid and silu, brgemm order; 32 value heads: the gating's
+    vector blocks) through every split gives the reference's values within bf16 rounding; its bits are the engine's own
+    (tests/engine/test_gdn.py holds them to vLLM's binary)."""
+    T = 150
+    x, weight, a, b, A_log, dt_bias = _layer_inputs(T, H, Hv, D, 4, seed=H * 100 + D)
+    want = gdn_reference(x, weight, a, b, A_log, dt_bias, H, 1e-5)
+    layer = GdnLayer(weight, A_log, dt_bias, H, False, 1e-5, "avx512")
+    results = {}
+    splits = {"one piece": _plan(("prefill", T)), "prefill then decode": _plan(("prefill", 100), ("decode", 50)),
+              "decode after every piece": _plan(("prefill", 40), ("decode", 3), ("prefill", 60), ("decode", 47))}  # fmt: skip
+    for name, plan in splits.items():
+        got = gdn_forward(x, a, b, plan, layer)
+        err = (got.float() - want).abs().max().item()
+        assert got.dtype == BF16 and err < 0.03 * max(1.0, want.abs().max().item()), f"{name}: max |delta| {err}"
+        results[name] = got
+    portable = gdn_forward(x, a, b, _plan(("prefill", T)), GdnLayer(weight, A_log, dt_bias, H, False, 1e-5))
+    assert not torch.equal(results["one piece"], portable)  # another build, other bits
+    with pytest.raises(PrecisionError, match=r"AVX-512 build.*fp32 state and conv width 4"):
+        gdn_forward(x, a, b, _plan(("prefill", T)), GdnLayer(weight, A_log, dt_bias, H, True, 1e-5, "avx512"))
+
+
 def test_the_reference_is_the_models_own_delta_rule() -> None:
     """gdn_reference's rule is transformers' (the training side's) chunked gated delta rule, l2-normalised q / k."""
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next", reason="transformers with Qwen3-Next")
@@ -101,9 +125,11 @@ def test_rows_never_computed_are_zero_and_bad_plans_and_dims_are_refused() -> No
     with pytest.raises(PrecisionError, match=r"no head dim the engine runs \(64, 128"):
         gdn_forward(x32, a32, b32, _plan(("prefill", 20)), GdnLayer(w32, A32, dt32, 2, False, 1e-5))
     with pytest.raises(PrecisionError, match=r"fxp_engine.gdn at layer.0 ran outside .*engine_rows"):
-        engine_gdn(x, weight, a, b, A_log, dt_bias, 2, False, 1e-5, "layer.0")
-    with pytest.raises(PrecisionError, match=r"GdnForm.kernels='avx512'"):
-        GdnForm("avx512", "fp32", 1e-5)
+        engine_gdn(x, weight, a, b, A_log, dt_bias, 2, False, 1e-5, "portable", "layer.0")
+    with pytest.raises(PrecisionError, match=r"GdnForm.kernels='avx512-amx'"):
+        GdnForm("avx512-amx", "fp32", 1e-5)
+    with pytest.raises(PrecisionError, match=r"GdnForm.state='bf16': the AVX-512 build's kernels are followed with an fp32"):
+        GdnForm("avx512", "bf16", 1e-5)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -21,7 +21,11 @@ The split the engine ran, which tokens each step prefilled and in which pieces, 
 rollout records every step's rows): ``batch_rows`` turns it into a code per row (``GDN_DECODE``, or the first row of
 the piece that prefilled it), which ``fxp_engine.gdn`` reads from the forward's plan, as ``fxp_engine.linear`` reads
 its rows. Followed: the engine's portable kernel build (``_C_AVX2``: every x86 CPU runs it; ``rollout --isa avx2`` runs
-it on an AVX-512 CPU); its AVX-512 builds (prepacked conv kernels, a polynomial exp, brgemm) are refused in one line.
+it on an AVX-512 CPU), the arithmetic above (gdn_kernels.cpp); and its AVX-512 build on an AVX-512 BF16 CPU without AMX
+(``_C``, as users launch it there: gdn_avx512_kernels.cpp, the ``*512`` calls): the C++ conv on packed weights for
+prefilled and decoded tokens alike (VDPBF16PS tap pairs, fast_silu), the gating's vector heads in blocks of 32 (exp_u20,
+SLEEF's log, VRCP14PS), the chunk rule's GEMMs in oneDNN's brgemm order, the decode kernel's fused multiply-adds, an fp32
+state. AMX's brgemm tiles and the AVX-512 build without BF16 are refused in one line.
 
     GdnForm                 what the probe read: the kernel build, the state cache's dtype, eps (gdn_form.py)
     gdn_forward(x, a, b, plan, GdnLayer)   one layer's core for a batch, piece by piece (the op's forward)
@@ -42,7 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from fx_precision.contract.batch_rows import GDN_DECODE, GDN_NONE, active_forward
-from fx_precision.contract.gdn_form import CHUNK, HEAD_DIMS, GdnForm
+from fx_precision.contract.gdn_form import AVX512, CHUNK, HEAD_DIMS, PORTABLE, GdnForm
 from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.op_context import OpContext
 from fx_precision.contract.ops.forward_state import declare_forward_state
@@ -68,9 +72,27 @@ def _lib() -> Any:
     lib.fxp_gdn_decode.argtypes = [_P, _P, _P, _P, _P, _P, i, _P, _I64, _I64, _I64, _I64, f]
     lib.fxp_gdn_conv_decode.argtypes = [_P, _P, _P, _I64, _I64, _P]
     lib.fxp_gdn_decode_run.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, i, _P, _I64, _I64, _I64, _I64, _I64, _I64, f]
-    for name in ("fxp_gdn_gating", "fxp_gdn_chunk", "fxp_gdn_decode", "fxp_gdn_conv_decode", "fxp_gdn_decode_run"):
+    lib.fxp_gdn512_conv.argtypes = [_P, _P, _P, _I64, _I64, _P]
+    lib.fxp_gdn512_gating.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _P]
+    lib.fxp_gdn512_decode.argtypes = [_P] * 8 + [_I64] * 4 + [_P]
+    lib.fxp_gdn512_chunk.argtypes = [_P] * 6 + [_I64] * 4 + [f, _P]
+    for name in ("fxp_gdn_gating", "fxp_gdn_chunk", "fxp_gdn_decode", "fxp_gdn_conv_decode", "fxp_gdn_decode_run", "fxp_gdn512_conv",
+                 "fxp_gdn512_gating", "fxp_gdn512_decode", "fxp_gdn512_chunk"):  # fmt: skip
         getattr(lib, name).restype = None
     return lib
+
+
+def _lib512() -> Any:
+    """The kernels of the engine's AVX-512 build (gdn_avx512_kernels.cpp), refused in one line where this CPU cannot run
+    them: they call the CPU's own VRCP14PS and torch's 16-lane SLEEF log, as the engine does."""
+    kernels = engine_kernels()
+    if not torch.cpu._is_avx512_supported() or kernels.sleef_logf16 is None:
+        raise PrecisionError(
+            "the engine ran its AVX-512 GatedDeltaNet kernels (vLLM's _C build), which use this CPU's VRCP14PS and torch's AVX-512 "
+            "SLEEF log: this CPU (or this torch) has no AVX-512; run the training side on the engine's CPU family, or roll out "
+            "with --isa avx2"
+        )
+    return _lib()
 
 
 def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
@@ -85,15 +107,61 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
     return t.detach().to(torch.float32).contiguous()
 
 
-def gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *,
-           decode: bool) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-    """(g fp32, beta bf16) of [T, Hv] a / b, as the engine's prefill gating (``decode=False``) or decode kernel computes them."""
-    a16, b16, A, dt = _bf16(a), _bf16(b), _f32(A_log), _f32(dt_bias)
+def gating(a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor, *, decode: bool,
+           kernels: str = PORTABLE) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """(g fp32, beta bf16) of [T, Hv] a / b, as the engine's prefill gating (``decode=False``) or decode kernel computes them
+    (``kernels``: the engine's build; the AVX-512 build's decode kernel gates inside ``decode512``)."""
+    a16, b16, A = _bf16(a), _bf16(b), _f32(A_log)
     T, Hv = a16.shape
     g = torch.empty(T, Hv, dtype=torch.float32)
     beta = torch.empty(T, Hv, dtype=torch.bfloat16)
+    if kernels == AVX512 and not decode:
+        dt16 = _bf16(dt_bias)
+        _lib512().fxp_gdn512_gating(_ptr(a16), _ptr(b16), _ptr(A), _ptr(dt16), T, Hv, _ptr(g), _ptr(beta))
+        return g, beta
+    dt = _f32(dt_bias)
     _lib().fxp_gdn_gating(_ptr(a16), _ptr(b16), _ptr(A), _ptr(dt), T, Hv, int(decode), _ptr(g), _ptr(beta))
     return g, beta
+
+
+def chunk512(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
+             eps: float) -> torch.Tensor:  # fmt: skip
+    """``chunk_rule`` as the engine's AVX-512 build computes it (fp32 state, updated in place)."""
+    q16, k16, v16, g32, b16 = _bf16(q), _bf16(k), _bf16(v), _f32(g), _bf16(beta)
+    L, H, D = q16.shape
+    Hv = v16.shape[1]
+    _check_state(state, Hv, D)
+    out = torch.empty(L, Hv, D, dtype=torch.bfloat16)
+    _lib512().fxp_gdn512_chunk(_ptr(q16), _ptr(k16), _ptr(v16), _ptr(g32), _ptr(b16), _ptr(state), L, H, Hv, D, eps, _ptr(out))
+    return out
+
+
+def decode512(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor,
+              dt_bias: torch.Tensor, state: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """B decoded tokens through the AVX-512 build's decode kernel, its gating inside: [B, H, D] q / k, [B, Hv, D] v, [B, Hv]
+    a / b; ``state`` [B, Hv, D, D] fp32, updated in place. Returns [B, Hv, D] bf16."""
+    q16, k16, v16, a16, b16, A, dt16 = _bf16(q), _bf16(k), _bf16(v), _bf16(a), _bf16(b), _f32(A_log), _bf16(dt_bias)
+    B, H, D = q16.shape
+    Hv = v16.shape[1]
+    if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != (B, Hv, D, D):
+        raise PrecisionError(f"gdn decode: the state must be [B, Hv, D, D] = {(B, Hv, D, D)} fp32 contiguous, got {tuple(state.shape)}")
+    out = torch.empty(B, Hv, D, dtype=torch.bfloat16)
+    _lib512().fxp_gdn512_decode(_ptr(q16), _ptr(k16), _ptr(v16), _ptr(a16), _ptr(b16), _ptr(A), _ptr(dt16), _ptr(state), B, H, Hv, D,
+                                _ptr(out))  # fmt: skip
+    return out
+
+
+def conv512(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """The AVX-512 build's conv (prefill piece or decoded token alike): ``x`` [L, C] bf16 after ``history`` [K - 1, C] (the
+    request's stored inputs, oldest first; zeros for a new one), ``weight`` [C, 4]. Returns [L, C] bf16."""
+    x16, h16, w16 = _bf16(x), _bf16(history), _bf16(weight)
+    L, C = x16.shape
+    if tuple(w16.shape) != (C, 4) or tuple(h16.shape) != (3, C) or C % 32:
+        raise PrecisionError(f"gdn conv (AVX-512 build): width 4 over channels in blocks of 32, got weight {tuple(w16.shape)}, "
+                             f"history {tuple(h16.shape)}")  # fmt: skip
+    out = torch.empty(L, C, dtype=torch.bfloat16)
+    _lib512().fxp_gdn512_conv(_ptr(x16), _ptr(h16), _ptr(w16), L, C, _ptr(out))
+    return out
 
 
 def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
@@ -191,6 +259,7 @@ class GdnLayer:
     key_heads: int
     state_bf16: bool
     eps: float
+    kernels: str = PORTABLE
 
 
 def gdn_forward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: torch.Tensor, layer: GdnLayer) -> torch.Tensor:
@@ -211,6 +280,13 @@ def gdn_forward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: torch.T
     xs, a16, b16 = _bf16(x), _bf16(a), _bf16(b)
     out = torch.zeros(B, T, Hv, D, dtype=torch.bfloat16)
     qk = key_heads * D
+    if layer.kernels == AVX512:
+        if state_bf16 or K != 4:
+            raise PrecisionError(f"gdn (AVX-512 build): the contract follows an fp32 state and conv width 4, got a "
+                                 f"{'bf16' if state_bf16 else 'fp32'} state and width {K}")  # fmt: skip
+        for row in range(B):
+            out[row] = _row512(xs[row], a16[row], b16[row], plan[row], w, A_log, dt_bias, key_heads, eps)
+        return out
     for row in range(B):
         state = torch.zeros(Hv, D, D, dtype=torch.float32)
         for kind, start, end in _pieces([int(c) for c in plan[row].tolist()]):
@@ -234,6 +310,40 @@ def gdn_forward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: torch.T
                 _lib().fxp_gdn_decode_run(_ptr(run), _ptr(conv_state), _ptr(w), _ptr(ar), _ptr(br), _ptr(A), _ptr(dt), _ptr(state),
                                           int(state_bf16), _ptr(got), end - start, C, K, key_heads, Hv, D, eps)  # fmt: skip
                 out[row, start:end] = got
+    return out
+
+
+def _row512(xs: torch.Tensor, a16: torch.Tensor, b16: torch.Tensor, plan: torch.Tensor, w: torch.Tensor, A_log: torch.Tensor,
+            dt_bias: torch.Tensor, key_heads: int, eps: float) -> torch.Tensor:  # fmt: skip
+    """One sequence ([C, T] conv input) through the AVX-512 build's kernels, piece by piece and token by token."""
+    C, T = xs.shape
+    Hv = a16.shape[-1]
+    D = C // (2 * key_heads + Hv)
+    qk = key_heads * D
+    out = torch.zeros(T, Hv, D, dtype=torch.bfloat16)
+    state = torch.zeros(Hv, D, D, dtype=torch.float32)
+    tokens = xs.t().contiguous()  # [T, C]
+
+    def history(start: int) -> torch.Tensor:  # the request's last three inputs before ``start``, oldest first (zeros before it)
+        kept = torch.zeros(3, C, dtype=torch.bfloat16)
+        lo = max(start - 3, 0)
+        kept[3 - (start - lo) :] = tokens[lo:start]
+        return kept
+
+    def split(mixed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        return (mixed[:, :qk].reshape(-1, key_heads, D), mixed[:, qk : 2 * qk].reshape(-1, key_heads, D),
+                mixed[:, 2 * qk :].reshape(-1, Hv, D))  # fmt: skip
+
+    for kind, start, end in _pieces([int(c) for c in plan.tolist()]):
+        if kind == "prefill":
+            q, k, v = split(conv512(tokens[start:end], history(start), w))
+            g, beta = gating(a16[start:end], b16[start:end], A_log, dt_bias, decode=False, kernels=AVX512)
+            out[start:end] = chunk512(q, k, v, g, beta, state, eps)
+        elif kind == "decode":
+            for t in range(start, end):
+                q, k, v = split(conv512(tokens[t : t + 1], history(t), w))
+                one = state.unsqueeze(0)  # a view: the kernel updates the state in place
+                out[t] = decode512(q, k, v, a16[t : t + 1], b16[t : t + 1], A_log, dt_bias, one)[0]
     return out
 
 
@@ -292,7 +402,7 @@ def gdn_reference(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: tor
 
 @torch.library.custom_op("fxp_engine::gdn", mutates_args=())
 def engine_gdn(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.Tensor, A_log: torch.Tensor, dt_bias: torch.Tensor,
-               key_heads: int, state_bf16: bool, eps: float, where: str) -> torch.Tensor:  # fmt: skip
+               key_heads: int, state_bf16: bool, eps: float, kernels: str, where: str) -> torch.Tensor:  # fmt: skip
     """One GatedDeltaNet layer's conv, gating and delta rule as the engine computed each row (module docstring), the rows'
     pieces read from the forward's plan (``batch_rows.engine_rows``: ``EngineRows.gdn``). [B, C, T] -> [B, T, Hv, D]."""
     forward = active_forward()
@@ -306,18 +416,18 @@ def engine_gdn(x: torch.Tensor, weight: torch.Tensor, a: torch.Tensor, b: torch.
     if tuple(plan.shape) != (x.shape[0], x.shape[2]):
         raise PrecisionError(f"fxp_engine.gdn at {where or '<root>'}: the plan is {tuple(plan.shape)}, the batch "
                              f"{(x.shape[0], x.shape[2])}")  # fmt: skip
-    return gdn_forward(x, a, b, plan, GdnLayer(weight, A_log, dt_bias, key_heads, state_bf16, eps)).to(x.dtype)
+    return gdn_forward(x, a, b, plan, GdnLayer(weight, A_log, dt_bias, key_heads, state_bf16, eps, kernels)).to(x.dtype)
 
 
 @engine_gdn.register_fake
-def _(x, weight, a, b, A_log, dt_bias, key_heads, state_bf16, eps, where):
+def _(x, weight, a, b, A_log, dt_bias, key_heads, state_bf16, eps, kernels, where):
     B, C, T = x.shape
     Hv = a.shape[-1]
     return x.new_empty((B, T, Hv, C // (2 * key_heads + Hv)))
 
 
 def _gdn_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) -> None:
-    x, weight, a, b, A_log, dt_bias, key_heads, _state_bf16, eps, _where = inputs
+    x, weight, a, b, A_log, dt_bias, key_heads, _state_bf16, eps, _kernels, _where = inputs
     ctx.save_for_backward(x, weight, a, b, A_log, dt_bias)
     ctx.key_heads, ctx.eps = key_heads, eps
 
@@ -331,7 +441,7 @@ def _gdn_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tensor | No
         x, weight, a, b, A_log, dt_bias = leaves
         out = gdn_reference(x, weight, a, b, A_log, dt_bias, ctx.key_heads, ctx.eps)
         grads = torch.autograd.grad(out, leaves, grad.float(), allow_unused=True)
-    return (*(g.to(t.dtype) if g is not None else None for g, t in zip(grads, saved, strict=True)), None, None, None, None)
+    return (*(g.to(t.dtype) if g is not None else None for g, t in zip(grads, saved, strict=True)), None, None, None, None, None)
 
 
 engine_gdn.register_autograd(_gdn_backward, setup_context=_gdn_setup)

@@ -12,7 +12,9 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 CHUNK = 64  # the chunk kernel's chunk
-PORTABLE = "portable"  # vLLM's _C_AVX2 build: ATen's generic lanes, glibc's libm, no FMA (the kernels followed)
+PORTABLE = "portable"  # vLLM's _C_AVX2 build: ATen's generic lanes, glibc's libm, no FMA
+AVX512 = "avx512"  # vLLM's _C build on an AVX-512 BF16 CPU without AMX: packed VDPBF16PS conv, exp_u20, VRCP14PS, brgemm
+KERNELS = (PORTABLE, AVX512)
 HEAD_DIMS = (64, 128)  # what the engine's chunk kernel takes (it refuses 32)
 STATE_DTYPES = ("bf16", "fp32")
 
@@ -27,7 +29,7 @@ def gdn_layer_count(config: PretrainedConfig) -> int:
 
 @dataclass(frozen=True)
 class GdnForm:
-    """How the engine computes its GatedDeltaNet layers: the kernel build (``PORTABLE``), the SSM state cache's dtype
+    """How the engine computes its GatedDeltaNet layers: the kernel build (``PORTABLE``, ``AVX512``), the SSM state cache's dtype
     (bf16: rounded after every chunk and decoded token; fp32), and the l2-norm's eps."""
 
     kernels: str = PORTABLE
@@ -35,8 +37,11 @@ class GdnForm:
     eps: float = 1e-5
 
     def __post_init__(self) -> None:
-        if self.kernels != PORTABLE:
-            raise PrecisionError(f"GdnForm.kernels={self.kernels!r}: the contract follows {PORTABLE!r} (vLLM's _C_AVX2 build)")
+        if self.kernels not in KERNELS:
+            raise PrecisionError(f"GdnForm.kernels={self.kernels!r}: the contract follows {' and '.join(map(repr, KERNELS))} (vLLM's "
+                                 "_C_AVX2 build, and its _C build on an AVX-512 BF16 CPU without AMX)")  # fmt: skip
+        if self.kernels == AVX512 and self.state != "fp32":
+            raise PrecisionError(f"GdnForm.state={self.state!r}: the AVX-512 build's kernels are followed with an fp32 state cache")
         if self.state not in STATE_DTYPES:
             raise PrecisionError(f"GdnForm.state={self.state!r}: one of {', '.join(STATE_DTYPES)}")
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not 0.0 < float(self.eps) < 1.0:

@@ -9,6 +9,8 @@
                                                  probe's candidates, output by output
         moe_kernels.cpp        fxp_fused_moe     mixture-of-experts experts in the engine's arithmetic (vLLM's CPU fused experts)
         gdn_kernels.cpp        fxp_gdn_*         GatedDeltaNet's conv, gating and delta rule (contract/gdn.py calls them)
+        gdn_avx512_kernels.cpp fxp_gdn512_*      the same as the engine's AVX-512 build computes them (packed conv, exp_u20,
+                                                 VRCP14PS, oneDNN's brgemm order)
 
 The library includes no torch or Python headers, so it builds in a second or two with any C++17
 compiler (``$CXX``, else ``g++``); tensors cross as raw pointers, and every argument is checked here
@@ -37,13 +39,26 @@ from fx_precision.contract.vocabulary import MOE_COMBINES, MOE_EXPS, MOE_STORES
 from fx_precision.errors import PrecisionError
 
 SOURCES = tuple(Path(__file__).with_name(name) for name in ("attention_kernels.cpp", "linear_kernels.cpp", "moe_kernels.cpp",
-                                                               "gdn_kernels.cpp"))  # fmt: skip
+                                                               "gdn_kernels.cpp", "gdn_avx512_kernels.cpp"))  # fmt: skip
 HEADERS = (Path(__file__).with_name("engine_kernels.h"),)  # what the sources share (in the build's key too)  # one file per op family
 FLAGS = ("-O2", "-std=c++17", "-shared", "-fPIC", "-fopenmp", "-ffp-contract=off", "-fno-fast-math", "-fno-finite-math-only")
 _BUILD_LOCK = threading.Lock()
 _P = ctypes.c_void_p
 _I64 = ctypes.c_int64
 _INT = ctypes.c_int
+
+
+def _sleef_logf16() -> int | None:
+    """The address of torch's own ``Sleef_logf16_u10`` (SLEEF's 16-lane log, which vLLM's AVX-512 build calls: its GDN
+    gating), or None where this torch or this CPU has none."""
+    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
+    if not library.exists() or not torch.cpu._is_avx512_supported():
+        return None
+    try:
+        address = ctypes.cast(ctypes.CDLL(str(library)).Sleef_logf16_u10, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None
+    return int(address) if address else None
 
 
 def _sleef_expf8() -> int | None:
@@ -176,6 +191,11 @@ class EngineKernels:
         self.sleef_expf8 = _sleef_expf8()
         if self.sleef_expf8 is not None:
             lib.fxp_set_sleef_expf8(self.sleef_expf8)
+        lib.fxp_gdn512_set_log.argtypes = [_P]
+        lib.fxp_gdn512_set_log.restype = None
+        self.sleef_logf16 = _sleef_logf16()
+        if self.sleef_logf16 is not None:
+            lib.fxp_gdn512_set_log(self.sleef_logf16)
         lib.fxp_set_vector_path.argtypes = [_INT]
         lib.fxp_set_vector_path.restype = None
         lib.fxp_cpu_has_amx.restype = _INT

@@ -2,13 +2,15 @@
 
 the kernels      vLLM's own GDN ops (prefill gating, chunk rule over pieces with and without a state, the decode
                  kernel, the conv's decode update and prefill) equal the contract's bit for bit at head counts,
-                 dims and state dtypes the probe never ran (its portable build, _C_AVX2, loaded in this process)
+                 dims and state dtypes the probe never ran, in the build this CPU loads: the portable one (_C_AVX2)
+                 on an AVX2 CPU, the AVX-512 one (_C: packed C++ conv, exp_u20, VRCP14PS, oneDNN's brgemm) on an
+                 AVX-512 BF16 CPU without AMX
 end to end       a Qwen3-Next hybrid (linear, full, linear, linear; every MLP an MoE block) rolled out by the eager
                  engine and by the engine as its users launch it (compiled: its gated norm and router are
                  Inductor's code): compare --contract vllm finds every sampled log-prob bitwise, each GDN layer
                  rewritten (core and gated norm)
-where the engine runs a build the contract does not follow (AVX-512 BF16: its C++ conv kernels), the comparison is
-refused in one line naming the GDN op class, never reported
+where the engine runs a build the contract does not follow (AMX's brgemm tiles, the AVX-512 build without BF16), the
+comparison is refused in one line naming the GDN op class, never reported
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 SAMPLES, MAX_TOKENS, PROMPT_LENS = 2, 6, "5,70,133"
 PORTABLE = not torch.cpu._is_avx512_supported()  # vLLM loads its portable build (_C_AVX2) here
+AVX512 = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()  # its _C build, no AMX tiles
+FOLLOWED = PORTABLE or AVX512  # the contract follows the GDN kernels of the build vLLM loads on this CPU
 
 
 def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -56,6 +60,22 @@ def test_the_engines_gdn_kernels_equal_the_contracts_at_held_out_shapes(heads: i
     assert differ == [], differ
 
 
+@pytest.mark.skipif(not AVX512, reason="vLLM's AVX-512 build (_C) runs its GDN ops without AMX tiles only on an AVX-512 BF16 "
+                    "CPU without AMX; this CPU loads another build")  # fmt: skip
+@pytest.mark.parametrize(("heads", "value_heads", "dim"), [(1, 2, 64), (3, 6, 128), (2, 8, 64), (16, 32, 128), (4, 48, 64)])
+def test_the_engines_avx512_gdn_kernels_equal_the_contracts_at_held_out_shapes(heads: int, value_heads: int, dim: int) -> None:
+    """32 or more value heads: the prefill gating's vector blocks of 32 (exp_u20, SLEEF's log, VRCP14PS) beside its
+    scalar rest; 16 / 32 at 128: Qwen3-Next-80B's and Qwen3.5's linear heads."""
+    from vllm.platforms import current_platform
+
+    current_platform.import_kernels()  # the AVX-512 build's ops (_C), as the engine loads them
+
+    from fx_precision.engines.vllm.gdn_probe import _differing512
+
+    differ = _differing512(heads, value_heads, dim, torch.Generator().manual_seed(heads * 1000 + dim))
+    assert differ == [], differ
+
+
 @pytest.fixture(scope="module")
 def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("gdn")
@@ -70,8 +90,8 @@ def hybrid(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
 def test_a_qwen3_next_hybrid_is_bitwise_against_the_engine(hybrid: dict[str, Path], launch: str) -> None:
     compiled = ("--compiled",) if launch == "defaults" else ()
     done = run("compare", "--model", str(hybrid["checkpoint"]), "--rollout", str(hybrid[launch]), "--contract", "vllm",
-               *compiled, "--json", check=PORTABLE)  # fmt: skip
-    if not PORTABLE:  # the engine's AVX-512 GDN build: refused in one line, naming the op class
+               *compiled, "--json", check=FOLLOWED)  # fmt: skip
+    if not FOLLOWED:  # a GDN build the contract does not follow: refused in one line, naming the op class
         assert done.returncode != 0 and "gdn" in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-2000:]
         return
     report = json.loads(done.stdout)
@@ -107,8 +127,8 @@ def test_qwen3_5_moe_is_bitwise_against_the_engines_gdn_through_its_qwen3_next_l
     run("rollout", "--model", str(next_layout), "--prompt-lens", "6,81", "--samples", str(SAMPLES), "--max-tokens", str(MAX_TOKENS),
         "--seed", "5", "--launch", "eager", "--out", str(tmp_path / "dump"))  # fmt: skip
     done = run("compare", "--model", str(qwen3_5), "--rollout", str(tmp_path / "dump"), "--contract", "vllm", "--compiled", "--json",
-               check=PORTABLE)  # fmt: skip
-    if not PORTABLE:
+               check=FOLLOWED)  # fmt: skip
+    if not FOLLOWED:
         assert done.returncode != 0 and "gdn" in done.stderr.lower() and "Traceback" not in done.stderr, done.stderr[-2000:]
         return
     report = json.loads(done.stdout)

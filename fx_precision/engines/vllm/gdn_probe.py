@@ -5,10 +5,12 @@ head counts and dims, its SSM state's dtype and the kernel build this engine loa
                                  config, read off the config before anything starts (None: it can try)
     gdn_layers(model)      the engine's linear-attention layers (QwenGatedDeltaNetAttention: Qwen3-Next, Qwen3.5)
     probe_gdn(model, kernels, gen) -> (GdnForm | None, evidence, engine record)
-        the build          the portable one (_C_AVX2, conv by torch: the only one followed); another is refused, said why
+        the build          the portable one (_C_AVX2, conv by torch), or the AVX-512 one (_C on an AVX-512 BF16 CPU without
+                           AMX: packed C++ conv, fp32 state); another is refused, said why
         the kernels        prefill gating, the chunk rule (pieces of 1, 33, 64, 130 tokens, with and without a state, more
                            than one request in a call), the decode kernel (three rows), the conv's decode update and its
-                           prefill (vLLM's torch fallback), each against the contract's on random inputs
+                           prefill (vLLM's torch fallback, or its C++ kernels on packed weights), each against the
+                           contract's on random inputs
 Nothing here runs what this CPU cannot: every op probed is the engine's own, loaded in this process.
 """
 
@@ -19,12 +21,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fx_precision.contract.evidence import CandidateEvidence, keeping
-from fx_precision.contract.gdn_form import HEAD_DIMS, PORTABLE, GdnForm
+from fx_precision.contract.gdn_form import AVX512, HEAD_DIMS, PORTABLE, GdnForm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
+AVX512_BUILD = "(_C)"  # the AVX-512 + AVX512-BF16 library (its GDN ops: 16 lanes, exp_u20, VRCP14PS, oneDNN brgemm)
 EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant
 
 
@@ -85,12 +88,14 @@ def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm |
     state_name = {torch.bfloat16: "bf16", torch.float32: "fp32"}.get(state_dtype, str(state_dtype)) if state_dtype is not None else "none"
     record = {"layers": [n for n, _ in layers], "key_heads": heads, "value_heads": value_heads, "head_dim": dim, "conv_width": width,
               "state": state_name, "kernels": kernels}  # fmt: skip
-    why = _not_followed(kernels, dim, value_dim, state_dtype)
+    build = _build_followed(kernels, state_dtype)
+    why = build if build not in (PORTABLE, AVX512) else _not_followed(dim, value_dim, state_dtype)
     if why or state_dtype is None:
         return None, CandidateEvidence(why=why or "the engine's layer holds no SSM state", details={"layer": name}), record
-    form = GdnForm(PORTABLE, state_name, EPS)
+    form = GdnForm(build, state_name, EPS)
     try:
-        differ = _differing(heads, value_heads, dim, width, state_dtype, gen)
+        differ = _differing(heads, value_heads, dim, width, state_dtype, gen) if build == PORTABLE else _differing512(heads, value_heads,
+                                                                                                                   dim, gen)  # fmt: skip
     except Exception as exc:  # an engine op that refused the probe's shapes: recorded, never the run's end
         return None, CandidateEvidence(why=f"the GDN probe could not run here: {type(exc).__name__}: {exc}"[:300], failed=True), record
     candidates = {form.describe(): len(differ)}
@@ -100,12 +105,25 @@ def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm |
     return form, keeping(CandidateEvidence(candidates, details={"layer": name}), form), record
 
 
-def _not_followed(kernels: str, dim: int, value_dim: int, state_dtype: torch.dtype | None) -> str | None:
-    if PORTABLE_BUILD not in kernels:
-        return (f"the engine loaded its {kernels} kernels, whose GatedDeltaNet ops (prepacked conv, AVX-512 exp, brgemm) the "
-                f"contract does not follow yet; rollout --isa avx2 runs its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
-    if torch.cpu._is_avx512_bf16_supported():
-        return "the engine runs its C++ conv kernels on this CPU (AVX-512 BF16), which the contract does not follow; rollout --isa avx2"
+def _build_followed(kernels: str, state_dtype: torch.dtype | None) -> str:
+    """``PORTABLE`` or ``AVX512`` where the contract follows the engine's GDN kernels on this CPU, else why not."""
+    avx512_bf16 = torch.cpu._is_avx512_bf16_supported()  # vLLM's own test for its C++ conv (gdn_attention.py)
+    if PORTABLE_BUILD in kernels:
+        if avx512_bf16:
+            return f"the engine runs its C++ conv kernels on this CPU (AVX-512 BF16) with its {PORTABLE_BUILD} build, which is not followed"
+        return PORTABLE
+    if AVX512_BUILD in kernels and avx512_bf16:
+        if torch.cpu._is_amx_tile_supported():
+            return (f"the engine's {kernels} GatedDeltaNet kernels run oneDNN's brgemm on AMX tiles on this CPU, which the contract "
+                    f"does not follow yet; rollout --isa avx2 runs its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
+        if state_dtype != torch.float32:
+            return f"the engine's {kernels} GatedDeltaNet kernels with a {state_dtype} SSM state cache: followed with an fp32 one"
+        return AVX512
+    return (f"the engine loaded its {kernels} kernels, whose GatedDeltaNet ops the contract does not follow; rollout --isa avx2 runs "
+            f"its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
+
+
+def _not_followed(dim: int, value_dim: int, state_dtype: torch.dtype | None) -> str | None:
     if dim != value_dim or dim not in HEAD_DIMS:
         return f"linear head dims {dim} (key) / {value_dim} (value): the engine's chunk kernel takes one dim of {HEAD_DIMS}"
     if state_dtype not in (torch.bfloat16, torch.float32):
@@ -182,4 +200,71 @@ def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: t
                                    torch.tensor([0], dtype=torch.int32), torch.tensor([True]), "silu")  # fmt: skip
     if not torch.equal(ours.prefill_conv(xs, states[0], weight), ref_out):
         differ.append("conv (prefill)")
+    return differ
+
+
+def _differing512(H: int, Hv: int, D: int, gen: torch.Generator) -> list[str]:
+    """``_differing`` for the AVX-512 build: its gating (vector blocks of 32 heads and the scalar rest), chunk rule, decode
+    kernel and C++ conv on packed weights (a prefill piece with and without a stored history, a decoded token) against
+    the contract's (contract/gdn.py: ``*512``)."""
+    from fx_precision.contract import gdn as ours
+
+    ops = torch.ops._C
+    bf = torch.bfloat16
+    differ = []
+
+    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * scale
+
+    T = 37
+    A_log, dt_bias = randn(Hv).float(), randn(Hv).to(bf)
+    a, b = randn(T, Hv, scale=3).to(bf), randn(T, Hv, scale=3).to(bf)
+    g_ref, beta_ref = ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    g, beta = ours.gating(a, b, A_log, dt_bias, decode=False, kernels=AVX512)
+    if not (torch.equal(g, g_ref.reshape(T, Hv)) and torch.equal(beta, beta_ref.reshape(T, Hv))):
+        differ.append("prefill gating")
+    lens = [1, 33, 64, 130]
+    total = sum(lens)
+    q, k, v = randn(1, total, H, D).to(bf), randn(1, total, H, D).to(bf), randn(1, total, Hv, D).to(bf)
+    gg, bb = (-torch.rand(1, total, Hv, generator=gen) * 0.5).float(), torch.rand(1, total, Hv, generator=gen).to(bf)
+    pool = randn(len(lens), Hv, D, D, scale=0.2)
+    pool[0] = 0  # a new request: the engine zeroes its slot
+    start = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    out_ref, _ = ops.chunk_gated_delta_rule_cpu(
+        q, k, v, gg, bb, pool, True, cu, False, True, torch.arange(len(lens), dtype=torch.int32), EPS
+    )
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        st = start[i].contiguous()
+        got = ours.chunk512(q[0, s:e], k[0, s:e], v[0, s:e], gg[0, s:e], bb[0, s:e], st, EPS)
+        if not (torch.equal(got, out_ref[0, s:e]) and torch.equal(st, pool[i])):
+            differ.append(f"chunk rule ({e - s} tokens)")
+            break
+    B = 3
+    q, k, v = randn(1, B, H, D).to(bf), randn(1, B, H, D).to(bf), randn(1, B, Hv, D).to(bf)
+    a, b = randn(B, Hv, scale=2).to(bf), randn(B, Hv).to(bf)
+    pool = randn(B, Hv, D, D, scale=0.3)
+    st = pool.clone()
+    out_ref = ops.fused_sigmoid_gating_delta_rule_update_cpu(A_log, dt_bias, q, k, v, a, b, pool, torch.arange(B, dtype=torch.int32),
+                                                             torch.arange(B + 1, dtype=torch.int32), True, 1.0, 20.0)  # fmt: skip
+    got = ours.decode512(q[0], k[0], v[0], a, b, A_log, dt_bias, st)
+    if not (torch.equal(got, out_ref.reshape(B, Hv, D)) and torch.equal(st, pool)):
+        differ.append("decode rule")
+    C = 2 * H * D + Hv * D
+    weight = randn(C, 4, scale=0.5).to(bf)
+    packed = ops.causal_conv1d_weight_pack(weight.contiguous())
+    for L, stored in ((45, True), (70, False), (1, True)):
+        x = randn(L, C, scale=2).to(bf).contiguous()
+        history = randn(3, C).to(bf) if stored else torch.zeros(3, C, dtype=bf)
+        cache = torch.zeros(2, 3, C, dtype=bf)  # vLLM's SD layout (slots, K - 1, C), passed transposed
+        cache[1] = history
+        slot = torch.tensor([1], dtype=torch.int32)
+        if L == 1:  # a decoded token: the update kernel
+            ref = ops.causal_conv1d_update_cpu(x, cache.transpose(1, 2), packed, None, True, None, slot, -1, True)
+        else:
+            ref = ops.causal_conv1d_fwd_cpu(x.t(), packed, None, cache.transpose(1, 2), torch.tensor([0, L], dtype=torch.int32), slot,
+                                            torch.tensor([stored]), True, -1, True).t()  # fmt: skip
+        if not torch.equal(ours.conv512(x, history, weight), ref.contiguous()):
+            differ.append(f"conv ({'decode' if L == 1 else 'prefill'}, {L} token(s))")
+            break
     return differ

@@ -156,7 +156,7 @@ def linear_calls(
     out = {}
     for name, (call, _k) in _linear_calls(model).items():
         found = weights(name)
-        if found is not None:
+        if found is not None and found[0].dim() == 2:  # a GEMM's; not a GDN layer's conv (a linear module in vLLM, [C, 1, K])
             out[name] = (call, found[0].to(torch.bfloat16).contiguous(), found[1], name == "lm_head")
     return out
 

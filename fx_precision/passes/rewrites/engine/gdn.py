@@ -8,7 +8,7 @@ attention, whatever its projections' layout)::
     A_log ──exp(A_log.float())─────────┴─ g                                                               │
     b ──sigmoid── beta                                                                                    ▼
                                                        the gated norm's region: x * rsqrt(mean(x^2) + eps) ... * silu(z)
-->  fxp_engine.gdn(x, conv weight, a, b, A_log, dt_bias, key heads, state, eps)          [B, T, Hv, D], the engine's pieces
+->  fxp_engine.gdn(x, conv weight, a, b, A_log, dt_bias, key heads, state, eps, kernels)          [B, T, Hv, D], the engine's pieces
 ->  fxp_engine.gated_rms_norm(out, z, norm weight, eps)                                  vLLM's RMSNormGated, eagerly
     or, under the compiled engine (whose Inductor fuses RMSNormGated.forward_native between the core op and out_proj):
     ((x.float() * rsqrt(mean(x.float() ** 2) + eps)) * w.float() * silu(z.float())).to(x.dtype)   the same native ops,
@@ -268,7 +268,7 @@ def engine_gdn(contract: EngineContract) -> RewriteFn:
             region |= {n for n in graph.nodes if module_path(n) == layer.module and n not in (layer.x, layer.a, layer.b)}
             old_out = layer.out
             args = (layer.x, layer.weight, layer.a, layer.b, layer.A_log, layer.dt_bias, layer.key_heads, form.state == "bf16",
-                    float(form.eps), layer.module)  # fmt: skip
+                    float(form.eps), form.kernels, layer.module)  # fmt: skip
             new = replace_node(graph, old_out, _caller(graph, torch.ops.fxp_engine.gdn.default, args), GDN, erase=())
             done.append(record(GDN, new, old_out, f"conv, gating and delta rule in the engine's pieces ({form.describe()})"))
             if contract.inductor is not None:  # the compiled engine: Inductor's code of vLLM's native ops
