@@ -18,32 +18,12 @@
 // fxp_gdn512_set_log), exp_u20 / fexp_u20 are ATen's polynomials, written out. Subnormal inputs to the bf16 dot
 // products (which the hardware treats as zero) are not modelled: random and model data do not reach them.
 
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <vector>
+#include "engine_kernels.h"
 
 namespace {
 
-inline float b2f(uint16_t h) {
-  uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t fbits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-inline float ubits(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline float b2f(uint16_t h) { return bf16_value(h); }
+inline uint32_t fbits(float f) { return float_to_bits(f); }
 // ATen's convert_from_float (software round to nearest even; NaN -> 0xffff)
 inline uint16_t to_bf16_sw(float f) {
   uint32_t u = fbits(f);
@@ -66,37 +46,23 @@ inline uint16_t to_bf16_ne(float f) {
 inline float round_ne(float f) { return b2f(to_bf16_ne(f)); }
 inline float round_c10(float f) { return b2f(to_bf16_c10(f)); }
 
-// ATen's Vectorized<float>::exp_u20 (vec512), lane by lane
-float exp_u20(float x) {
-  const bool low = x < ubits(0xc2aeac50);
-  float s = std::min(x, ubits(0x42b17218));
-  s = std::max(s, ubits(0xc2aeac50));
-  const float fx = std::floor(std::fma(s, ubits(0x3fb8aa3b), 0.5f));
-  const float r = std::fma(-fx, ubits(0x3f317218), s);
-  float p = std::fma(r, ubits(0x3c07cfce), ubits(0x3d2b9d0d));
-  p = std::fma(r, p, ubits(0x3e2aad40));
-  p = std::fma(r, p, ubits(0x3efffee3));
-  p = std::fma(r, p, ubits(0x3f7ffffb));
-  p = std::fma(r, p, 1.0f);
-  const int n = static_cast<int>(std::nearbyint(fx - 1.0f));
-  const float two = low ? 0.0f : ubits(static_cast<uint32_t>(n + 127) << 23);
-  return (p * two) * 2.0f;
-}
+// ATen's Vectorized<float>::exp_u20 (vec512): the shared header's fast_exp512, the attention's exp
+inline float exp_u20(float x) { return fast_exp512(x); }
 
 // ATen's Vectorized<float>::fexp_u20 (vec512), lane by lane
 float fexp_u20(float x) {
-  const bool below = x < ubits(0xc2aeac50), above = x > ubits(0x42b17218);
-  float s = x * ubits(0x3fb8aa3b);
+  const bool below = x < bits_to_float(0xc2aeac50), above = x > bits_to_float(0x42b17218);
+  float s = x * bits_to_float(0x3fb8aa3b);
   const float f = s - std::floor(s);
-  float t = std::fma(f, ubits(0xbda235d5), ubits(0xbe65b8f5));
-  t = std::fma(f, t, ubits(0x3e9b69f0));
-  t = std::fma(f, t, ubits(0x38e077a1));
+  float t = std::fma(f, bits_to_float(0xbda235d5), bits_to_float(0xbe65b8f5));
+  t = std::fma(f, t, bits_to_float(0x3e9b69f0));
+  t = std::fma(f, t, bits_to_float(0x38e077a1));
   s = s - t;
   const float v = std::fma(8388608.0f, s, 1065353216.0f);
   int32_t i = (v >= 2147483648.0f || v != v) ? INT32_MIN : static_cast<int32_t>(v);  // cvttps2dq
   if (below) i = 0;
   if (above) i = 0x7f800000;
-  return ubits(static_cast<uint32_t>(i));
+  return bits_to_float(static_cast<uint32_t>(i));
 }
 
 // VRCP14PS itself: the engine's sigmoid and silu divide by it
@@ -107,13 +73,8 @@ Log16 g_log16 = nullptr;  // torch's Sleef_logf16_u10 (fxp_gdn512_set_log)
 
 __attribute__((target("avx512f"))) float sleef_log16(float x) { return _mm512_cvtss_f32(g_log16(_mm512_set1_ps(x))); }
 
-// GCC's _mm512_reduce_add_ps: a fixed tree
-float reduce16(const float* a) {
-  float t3[8], t6[4];
-  for (int i = 0; i < 8; ++i) t3[i] = a[i + 8] + a[i];
-  for (int j = 0; j < 4; ++j) t6[j] = t3[j + 4] + t3[j];
-  return (t6[0] + t6[2]) + (t6[1] + t6[3]);
-}
+// GCC's _mm512_reduce_add_ps: the shared header's 16-lane tree
+inline float reduce16(const float* a) { return reduce_lanes(a, REDUCE_AVX512); }
 
 // one VDPBF16PS lane: the odd (high) product first, each addition rounded
 inline float dot_pair(float acc, float a0, float a1, float b0, float b1) {

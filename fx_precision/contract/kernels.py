@@ -48,30 +48,27 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 
 
-def _sleef_logf16() -> int | None:
-    """The address of torch's own ``Sleef_logf16_u10`` (SLEEF's 16-lane log, which vLLM's AVX-512 build calls: its GDN
-    gating), or None where this torch or this CPU has none."""
+def _torch_sleef(symbol: str) -> int | None:
+    """The address of torch's own SLEEF function ``symbol`` (in libtorch_cpu: the very function vLLM's kernel builds
+    call), or None where this torch has none (not an x86 build)."""
     library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if not library.exists() or not torch.cpu._is_avx512_supported():
+    if not library.exists():
         return None
     try:
-        address = ctypes.cast(ctypes.CDLL(str(library)).Sleef_logf16_u10, ctypes.c_void_p).value
+        address = ctypes.cast(getattr(ctypes.CDLL(str(library)), symbol), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None
     return int(address) if address else None
+
+
+def _sleef_logf16() -> int | None:
+    """``Sleef_logf16_u10`` (SLEEF's 16-lane log, which vLLM's AVX-512 build calls: its GDN gating), on an AVX-512 CPU."""
+    return _torch_sleef("Sleef_logf16_u10") if torch.cpu._is_avx512_supported() else None
 
 
 def _sleef_expf8() -> int | None:
-    """The address of torch's own ``Sleef_expf8_u10`` (SLEEF's 8-lane exp, which vLLM's AVX2 kernel build calls and
-    resolves to this very function of libtorch_cpu), or None where this torch has none (not an x86 build)."""
-    library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
-    if not library.exists() or not torch.cpu._is_avx2_supported():
-        return None
-    try:
-        address = ctypes.cast(ctypes.CDLL(str(library)).Sleef_expf8_u10, ctypes.c_void_p).value
-    except (OSError, AttributeError):
-        return None
-    return int(address) if address else None
+    """``Sleef_expf8_u10`` (SLEEF's 8-lane exp, which vLLM's AVX2 kernel build calls), on an AVX2 CPU."""
+    return _torch_sleef("Sleef_expf8_u10") if torch.cpu._is_avx2_supported() else None
 
 
 def _cache_dir() -> Path:

@@ -131,6 +131,48 @@ def _not_followed(dim: int, value_dim: int, state_dtype: torch.dtype | None) -> 
     return None
 
 
+def _gating_checked(Hv: int, kernels: str, gen: torch.Generator, differ: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The engine's prefill gating against the contract's ``kernels`` on random inputs ("prefill gating" appended to
+    ``differ`` where a bit parts); returns the A_log and dt_bias drawn, for the probes after it."""
+    from fx_precision.contract import gdn as ours
+
+    bf, T = torch.bfloat16, 37
+    A_log, dt_bias = torch.randn(Hv, generator=gen).float(), torch.randn(Hv, generator=gen).to(bf)
+    a, b = (torch.randn(T, Hv, generator=gen) * 3).to(bf), (torch.randn(T, Hv, generator=gen) * 3).to(bf)
+    g_ref, beta_ref = torch.ops._C.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
+    g, beta = ours.gating(a, b, A_log, dt_bias, decode=False, kernels=kernels)
+    if not (torch.equal(g, g_ref.reshape(T, Hv)) and torch.equal(beta, beta_ref.reshape(T, Hv))):
+        differ.append("prefill gating")
+    return A_log, dt_bias
+
+
+def _chunk_checked(H: int, Hv: int, D: int, state_dtype: torch.dtype, kernels: str, gen: torch.Generator, differ: list[str]) -> None:
+    """The engine's chunk rule on four requests in one call (pieces of 1, 33, 64 and 130 tokens, a new one and three
+    with a state) against the contract's ``kernels``, request by request ("chunk rule (N tokens)" appended to ``differ``
+    at the first that parts)."""
+    from fx_precision.contract import gdn as ours
+
+    bf, lens = torch.bfloat16, [1, 33, 64, 130]
+    total = sum(lens)
+    q, k, v = (torch.randn(1, total, h, D, generator=gen).to(bf) for h in (H, H, Hv))
+    gg, bb = (-torch.rand(1, total, Hv, generator=gen) * 0.5).float(), torch.rand(1, total, Hv, generator=gen).to(bf)
+    pool = (torch.randn(len(lens), Hv, D, D, generator=gen) * 0.2).to(state_dtype)
+    pool[0] = 0  # a new request: the engine zeroes its slot
+    start = pool.clone()
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    slots = torch.arange(len(lens), dtype=torch.int32)
+    out_ref, _ = torch.ops._C.chunk_gated_delta_rule_cpu(q, k, v, gg, bb, pool, True, cu, False, True, slots, EPS)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
+        st = start[i].float().contiguous()
+        if kernels == AVX512:
+            got = ours.chunk512(q[0, s:e], k[0, s:e], v[0, s:e], gg[0, s:e], bb[0, s:e], st, EPS)
+        else:
+            got = ours.chunk_rule(q[0, s:e], k[0, s:e], v[0, s:e], gg[0, s:e], bb[0, s:e], st, state_dtype == bf, EPS)
+        if not (torch.equal(got, out_ref[0, s:e]) and torch.equal(st.to(state_dtype), pool[i])):
+            differ.append(f"chunk rule ({e - s} tokens)")
+            return
+
+
 def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: torch.Generator) -> list[str]:
     """The kernels whose bits part from the contract's on random inputs at these sizes (empty: every bit equal)."""
 
@@ -141,34 +183,13 @@ def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: t
     ops = torch.ops._C
     bf = torch.bfloat16
     bf16_state = state_dtype == bf
-    differ = []
+    differ: list[str] = []
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
-    T = 37
-    A_log, dt_bias = randn(Hv).float(), randn(Hv).to(bf)
-    a, b = randn(T, Hv, scale=3).to(bf), randn(T, Hv, scale=3).to(bf)
-    g_ref, beta_ref = ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
-    g, beta = ours.gating(a, b, A_log, dt_bias, decode=False)
-    if not (torch.equal(g, g_ref.reshape(T, Hv)) and torch.equal(beta, beta_ref.reshape(T, Hv))):
-        differ.append("prefill gating")
-    lens = [1, 33, 64, 130]
-    total = sum(lens)
-    q, k, v = randn(1, total, H, D).to(bf), randn(1, total, H, D).to(bf), randn(1, total, Hv, D).to(bf)
-    gg, bb = (-torch.rand(1, total, Hv, generator=gen) * 0.5).float(), torch.rand(1, total, Hv, generator=gen).to(bf)
-    pool = randn(len(lens), Hv, D, D, scale=0.2).to(state_dtype)
-    pool[0] = 0  # a new request: the engine zeroes its slot
-    start = pool.clone()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    slots = torch.arange(len(lens), dtype=torch.int32)
-    out_ref, _ = ops.chunk_gated_delta_rule_cpu(q, k, v, gg, bb, pool, True, cu, False, True, slots, EPS)
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-        st = start[i].float().contiguous()
-        got = ours.chunk_rule(q[0, s:e], k[0, s:e], v[0, s:e], gg[0, s:e], bb[0, s:e], st, bf16_state, EPS)
-        if not (torch.equal(got, out_ref[0, s:e]) and torch.equal(st.to(state_dtype), pool[i])):
-            differ.append(f"chunk rule ({e - s} tokens)")
-            break
+    A_log, dt_bias = _gating_checked(Hv, PORTABLE, gen, differ)
+    _chunk_checked(H, Hv, D, state_dtype, PORTABLE, gen, differ)
     B = 3
     q, k, v = randn(1, B, H, D).to(bf), randn(1, B, H, D).to(bf), randn(1, B, Hv, D).to(bf)
     a, b = randn(B, Hv, scale=2).to(bf), randn(B, Hv).to(bf)
@@ -211,35 +232,13 @@ def _differing512(H: int, Hv: int, D: int, gen: torch.Generator) -> list[str]:
 
     ops = torch.ops._C
     bf = torch.bfloat16
-    differ = []
+    differ: list[str] = []
 
     def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
         return torch.randn(*shape, generator=gen) * scale
 
-    T = 37
-    A_log, dt_bias = randn(Hv).float(), randn(Hv).to(bf)
-    a, b = randn(T, Hv, scale=3).to(bf), randn(T, Hv, scale=3).to(bf)
-    g_ref, beta_ref = ops.fused_gdn_gating_cpu(A_log, a, b, dt_bias)
-    g, beta = ours.gating(a, b, A_log, dt_bias, decode=False, kernels=AVX512)
-    if not (torch.equal(g, g_ref.reshape(T, Hv)) and torch.equal(beta, beta_ref.reshape(T, Hv))):
-        differ.append("prefill gating")
-    lens = [1, 33, 64, 130]
-    total = sum(lens)
-    q, k, v = randn(1, total, H, D).to(bf), randn(1, total, H, D).to(bf), randn(1, total, Hv, D).to(bf)
-    gg, bb = (-torch.rand(1, total, Hv, generator=gen) * 0.5).float(), torch.rand(1, total, Hv, generator=gen).to(bf)
-    pool = randn(len(lens), Hv, D, D, scale=0.2)
-    pool[0] = 0  # a new request: the engine zeroes its slot
-    start = pool.clone()
-    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
-    out_ref, _ = ops.chunk_gated_delta_rule_cpu(
-        q, k, v, gg, bb, pool, True, cu, False, True, torch.arange(len(lens), dtype=torch.int32), EPS
-    )
-    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist(), strict=True)):
-        st = start[i].contiguous()
-        got = ours.chunk512(q[0, s:e], k[0, s:e], v[0, s:e], gg[0, s:e], bb[0, s:e], st, EPS)
-        if not (torch.equal(got, out_ref[0, s:e]) and torch.equal(st, pool[i])):
-            differ.append(f"chunk rule ({e - s} tokens)")
-            break
+    A_log, dt_bias = _gating_checked(Hv, AVX512, gen, differ)
+    _chunk_checked(H, Hv, D, torch.float32, AVX512, gen, differ)
     B = 3
     q, k, v = randn(1, B, H, D).to(bf), randn(1, B, H, D).to(bf), randn(1, B, Hv, D).to(bf)
     a, b = randn(B, Hv, scale=2).to(bf), randn(B, Hv).to(bf)
