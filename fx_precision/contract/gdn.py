@@ -157,8 +157,9 @@ def conv512(x: torch.Tensor, history: torch.Tensor, weight: torch.Tensor) -> tor
     x16, h16, w16 = _bf16(x), _bf16(history), _bf16(weight)
     L, C = x16.shape
     if tuple(w16.shape) != (C, 4) or tuple(h16.shape) != (3, C) or C % 32:
-        raise PrecisionError(f"gdn conv (AVX-512 build): width 4 over channels in blocks of 32, got weight {tuple(w16.shape)}, "
-                             f"history {tuple(h16.shape)}")  # fmt: skip
+        raise PrecisionError(f"gdn conv (AVX-512 build): the engine packs width-4 weights over channels in blocks of 32, got "
+                             f"weight {tuple(w16.shape)}, history {tuple(h16.shape)}; roll out with --isa avx2 (its portable "
+                             "build) for other conv shapes")  # fmt: skip
     out = torch.empty(L, C, dtype=torch.bfloat16)
     _lib512().fxp_gdn512_conv(_ptr(x16), _ptr(h16), _ptr(w16), L, C, _ptr(out))
     return out
@@ -282,8 +283,9 @@ def gdn_forward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: torch.T
     qk = key_heads * D
     if layer.kernels == AVX512:
         if state_bf16 or K != 4:
-            raise PrecisionError(f"gdn (AVX-512 build): the contract follows an fp32 state and conv width 4, got a "
-                                 f"{'bf16' if state_bf16 else 'fp32'} state and width {K}")  # fmt: skip
+            raise PrecisionError(f"fxp_engine.gdn (GdnForm kernels 'avx512'): the contract follows the engine's AVX-512 build with "
+                                 f"an fp32 state and conv width 4, got a {'bf16' if state_bf16 else 'fp32'} state and width {K}; "
+                                 "roll out with --isa avx2 (its portable build, followed at any width and state)")  # fmt: skip
         for row in range(B):
             out[row] = _row512(xs[row], a16[row], b16[row], plan[row], w, A_log, dt_bias, key_heads, eps)
         return out

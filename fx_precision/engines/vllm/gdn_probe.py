@@ -110,14 +110,16 @@ def _build_followed(kernels: str, state_dtype: torch.dtype | None) -> str:
     avx512_bf16 = torch.cpu._is_avx512_bf16_supported()  # vLLM's own test for its C++ conv (gdn_attention.py)
     if PORTABLE_BUILD in kernels:
         if avx512_bf16:
-            return f"the engine runs its C++ conv kernels on this CPU (AVX-512 BF16) with its {PORTABLE_BUILD} build, which is not followed"
+            return (f"the engine runs its C++ conv kernels on this CPU (AVX-512 BF16) with its {PORTABLE_BUILD} build, which the "
+                    "contract does not follow: roll out at --isa auto (the AVX-512 build, followed) or --isa avx2")  # fmt: skip
         return PORTABLE
     if AVX512_BUILD in kernels and avx512_bf16:
         if torch.cpu._is_amx_tile_supported():
             return (f"the engine's {kernels} GatedDeltaNet kernels run oneDNN's brgemm on AMX tiles on this CPU, which the contract "
                     f"does not follow yet; rollout --isa avx2 runs its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
         if state_dtype != torch.float32:
-            return f"the engine's {kernels} GatedDeltaNet kernels with a {state_dtype} SSM state cache: followed with an fp32 one"
+            return (f"the engine's {kernels} GatedDeltaNet kernels with a {state_dtype} SSM state cache: followed with an fp32 "
+                    "one; launch the engine with its default fp32 mamba_ssm_cache_dtype, or --isa avx2")  # fmt: skip
         return AVX512
     return (f"the engine loaded its {kernels} kernels, whose GatedDeltaNet ops the contract does not follow; rollout --isa avx2 runs "
             f"its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
