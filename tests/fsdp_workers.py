@@ -268,7 +268,9 @@ def sleep_and_note_exit(rank: int, world_size: int, directory: str) -> None:
     import time
     from pathlib import Path
 
-    Path(directory, f"started-{rank}").write_text(str(os.getpid()))
+    # Written whole, then renamed: a reader that sees the name sees the pid (a plain write is seen empty for a moment).
+    Path(directory, f".started-{rank}").write_text(str(os.getpid()))
+    os.replace(Path(directory, f".started-{rank}"), Path(directory, f"started-{rank}"))
     try:
         time.sleep(300)
     finally:
