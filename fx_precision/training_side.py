@@ -11,7 +11,8 @@
     4 eager fix with ``cfg.eager_fix``: the backend's casts derived on ``cfg.example_ids`` (fxp.eager_casts), before
                 the shard (they are read from the unsharded model)
     5 shard     apply_fsdp2 on ``mesh`` (a gloo rank), or none: gathers emulated at use in process
-    6 hooks     the eager fix's casts registered as module hooks (after FSDP2's own)
+    6 hooks     the eager fix's casts registered as module hooks (after FSDP2's own); under a compiled engine's contract
+                (norm inductor) the input embedding's output widened to fp32, as the engine's stream starts
     7 compile   torch.compile with precision_backend (Inductor, or aot_eager); under a contract always (the contract is
                 a graph rewrite: "eager" under it is the pass with aot_eager)
 
@@ -38,6 +39,7 @@ import torch
 from torch import nn
 
 from fx_precision.contract import EngineContract
+from fx_precision.contract.vocabulary import NormForm
 from fx_precision.errors import PrecisionError, first_line, precision_error_in
 from fx_precision.policy import PrecisionPolicy
 
@@ -252,7 +254,22 @@ def _derive_fix(side: TrainingSide) -> TrainingSide:
 def _register_fix(side: TrainingSide) -> TrainingSide:
     if side.fix is not None:
         side.fix.apply(side.model)
+    contract = side.policy.contract
+    if contract is not None and contract.norm == NormForm.INDUCTOR:
+        _stream_from_the_embedding_in_fp32(side.model)
     return side
+
+
+def _stream_from_the_embedding_in_fp32(model: nn.Module) -> None:
+    """The compiled engine keeps its residual stream in fp32 from the embedding on (Inductor never rounds a fused
+    intermediate): the input embedding's output widened to fp32 (exact), so what a model's code does to it outside a
+    graph (under FSDP2 the root's forward runs eagerly: Granite's ``embeds * embedding_multiplier``) multiplies
+    unrounded, as the engine's kernel does, and the first layer takes the fp32 stream (where the engine's norm kernel
+    stores it narrow, ``fxp_engine.inductor_stream`` rounds it there)."""
+    get = getattr(model, "get_input_embeddings", None)
+    embedding = get() if callable(get) else None
+    if isinstance(embedding, nn.Module):
+        embedding.register_forward_hook(lambda _m, _args, out: out.float() if isinstance(out, torch.Tensor) else out)
 
 
 def _shard(side: TrainingSide) -> TrainingSide:

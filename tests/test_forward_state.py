@@ -31,6 +31,7 @@ from fx_precision.contract.ops import (
     engine_attention,
     engine_linear,
     engine_rotary,
+    inductor_stream,
     inductor_sum_squares,
     residual_add,
     stored,
@@ -40,7 +41,8 @@ from tests.test_engine_contract import VEC
 from tests.test_gdn_contract import _layer_inputs, _plan
 
 BF16 = torch.bfloat16
-STATEFUL = (engine_linear, engine_attention, residual_add, unrounded_residual, engine_gdn, record_routes, inductor_sum_squares)
+STATEFUL = (engine_linear, engine_attention, residual_add, unrounded_residual, engine_gdn, record_routes, inductor_sum_squares,
+            inductor_stream)  # fmt: skip
 PURE = (engine_rotary, stored, eager_math, moe_route, fused_moe, engine_gated_rms_norm, logits_scale)
 
 
@@ -169,6 +171,25 @@ def test_a_norms_engine_order_recomputed_is_found_by_its_weight_again() -> None:
         return inductor_sum_squares(x, norms.norm.weight)
 
     _same_bits(_runs(sum_squares, (x,), lambda: _rows((1, 7), LinearOrders(1))()))
+
+
+def test_a_norms_stored_rounding_recomputed_is_found_by_its_weight_again() -> None:
+    """The stream as the engine's norm kernel leaves it (rounded through bf16 where it stores it): a recompute under
+    checkpointing rounds again, the same bits, and the gradient passes straight through."""
+    norms = torch.nn.Module()
+    norms.norm = torch.nn.Module()
+    norms.norm.weight = torch.nn.Parameter(torch.ones(96))
+    register_norm_orders(norms, (NormReduction(32, 16, 96, "norm", "bfloat16"),))
+    x = torch.randn(1, 7, 96, generator=torch.Generator().manual_seed(6))
+
+    def stream(x: torch.Tensor) -> torch.Tensor:
+        return inductor_stream(x * 3, norms.norm.weight) * 2
+
+    runs = _runs(stream, (x,), lambda: _rows((1, 7), LinearOrders(1))())
+    _same_bits(runs)
+    out, (grad, *_) = runs["plain"]
+    assert torch.equal(out, (x * 3).to(BF16).float() * 2) and not torch.equal(out, x * 6)
+    assert grad is not None and torch.allclose(grad, 12 * out, rtol=1e-6, atol=0)  # d sum(out ** 2): 2 * out * 2 * 3, straight through
 
 
 OUTSIDE = {  # the ops whose state is the forward's own: outside engine_rows there is none to read

@@ -7,6 +7,9 @@ norm_reductions_of(output code)       the sums of squares in the order ``call`` 
 per-layer graphs (FSDP2's breaks)     under the engine's orders == the engine's one whole-model graph, bit for bit
 bind_norm_modules                     the orders on a transformers model's norm modules, in the order a forward
                                           calls them; a count or a width that differs is refused in one line
+a stream the model adds itself        (Granite: residual + h * multiplier, bf16) Inductor keeps it fp32 and rounds it
+                                          where a norm's kernel stores it: ``stores`` read off the code, and the
+                                          stream rounded there gives the kernels' bits (not rounded: it does not)
 """
 
 from __future__ import annotations
@@ -91,6 +94,87 @@ def test_the_reductions_are_read_in_the_order_call_runs_the_kernels() -> None:
     ))  # fmt: skip
     assert [(r.lanes, r.width, r.size) for r in norm_reductions_of(source)] == [(16, 16, 64), (32, 16, 128), (16, 16, 64)]
     assert norm_reductions_of(source.split("class Runner")[0]) == ()  # no call: no order, nothing read
+
+
+@torch.library.custom_op("fxp_test::block", mutates_args=())
+def _block(x: torch.Tensor, g: torch.Tensor) -> torch.Tensor:
+    """A layer's block between two norms (the engine's GEMMs and attention are extern calls): eager ``x @ g``, the same
+    kernel on both sides (Inductor's own extern mm may split its work otherwise)."""
+    return torch.mm(x, g)
+
+
+@_block.register_fake
+def _(x, g):
+    return x.new_empty(x.shape[0], g.shape[1])
+
+
+def _granite_stream(
+    ids: torch.Tensor, emb: torch.Tensor, gemms: list[torch.Tensor], norms: list[torch.Tensor], scales: tuple[float, float]
+) -> torch.Tensor:
+    """vLLM's Granite stream in its native forms: the embedding scaled, each layer ``h + f(norm(h)) * m`` in bf16 (an
+    extern call for the block), the norms ``(x.float() * rsqrt(mean(x ** 2) + eps)).to(bf16) * w``, the last norm's output."""
+
+    def norm(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(BF16) * w
+
+    h = torch.nn.functional.embedding(ids, emb) * scales[0]
+    for w, g in zip(norms, gemms, strict=False):
+        h = h + _block(norm(h, w), g) * scales[1]
+    return norm(h, norms[-1])
+
+
+def _granite_followed(
+    ids: torch.Tensor,
+    emb: torch.Tensor,
+    gemms: list[torch.Tensor],
+    norms: list[torch.Tensor],
+    scales: tuple[float, float],
+    reductions: tuple[NormReduction, ...],
+    rounded: bool,
+) -> torch.Tensor:
+    """The same in eager torch as the contract computes it: the stream fp32 from the embedding, each norm's squares in
+    its engine order, and (``rounded``) the stream rounded where the engine's kernel stores it."""
+    s = torch.nn.functional.embedding(ids, emb).float() * scales[0]
+    out = s
+    for i, r in enumerate(reductions):
+        if rounded and r.stores is not None and r.summed == "stored":
+            s = s.to(getattr(torch, r.stores)).float()
+        squares = ordered_sum_squares(s, r.lanes, r.width)
+        if rounded and r.stores is not None:
+            s = s.to(getattr(torch, r.stores)).float()
+        out = ((s * torch.rsqrt(squares / r.size + 1e-6)) * norms[i].float()).to(BF16)  # the kernel's 1 / std::sqrt, here
+        if i < len(gemms):
+            s = s + _block(out, gemms[i]).float() * scales[1]
+    return out
+
+
+def test_a_stream_the_model_adds_itself_is_rounded_where_the_engines_kernel_stores_it() -> None:
+    """Inductor realises a pointwise chain that reads too many buffers: Granite's stream, stored bf16 every few layers.
+    The stores read off the code, rounded there, give the compiled kernels' bits; fp32 throughout does not."""
+    from torch._inductor.cpu_vec_isa import pick_vec_isa
+    from torch._inductor.utils import run_and_get_code
+
+    if pick_vec_isa() is None:
+        pytest.skip("Inductor picks no vector ISA on this CPU: its sums are scalar here, which the rollout does not read")
+    gen = torch.Generator().manual_seed(3)
+    size, layers, scales = 192, 10, (11.0, 0.27)
+    emb = (torch.randn(500, size, generator=gen) * 0.05).to(BF16)
+    gemms = [(torch.randn(size, size, generator=gen) * 0.08).to(BF16) for _ in range(layers)]
+    norms = [(1 + torch.randn(size, generator=gen) * 0.1).to(BF16) for _ in range(layers + 1)]
+    ids = torch.randint(0, 500, (203,), generator=gen)
+    torch._dynamo.reset()
+    engine, (code, *_) = run_and_get_code(torch.compile(_granite_stream, backend="inductor", dynamic=False), ids, emb, gemms, norms, scales)
+    reductions = norm_reductions_of(code)
+    kinds = {(r.stores, r.summed) for r in reductions}  # stored in the reduction's loop, and in a loop before it
+    assert len(reductions) == layers + 1 and {("bfloat16", "fp32"), ("bfloat16", "stored")} <= kinds, reductions
+    assert not all(r.stores for r in reductions)  # rounded every few layers, not at every norm
+    followed = _granite_followed(ids, emb, gemms, norms, scales, reductions, rounded=True)
+    assert torch.equal(followed, engine), f"{int((followed != engine).sum())} of {engine.numel()} differ"
+    assert not torch.equal(_granite_followed(ids, emb, gemms, norms, scales, reductions, rounded=False), engine)
+    assert NormReduction.from_dict(reductions[0].to_dict()) == reductions[0]
+    old = {k: v for k, v in reductions[0].to_dict().items() if k not in ("stores", "summed")}  # a dump written before them
+    assert NormReduction.from_dict(old).stores is None
 
 
 class _Norms(nn.Module):

@@ -14,6 +14,18 @@ cannot re-vectorise::
     engine's output code --norm_reductions_of--> (lanes, width, size) per norm, in the order the graph calls them
     training model       --bind_norm_modules---> the same, each with the module that calls it (a forward's hooks)
     norm rewrite (passes/rewrites/engine/norm.py): mean(x ** 2) -> inductor_sum_squares(x, lanes, width) / size
+
+Where the kernel also stores the norm's input (Inductor realises the residual stream there: a pointwise chain that
+reads too many buffers, as Granite's ``residual + h * residual_multiplier`` grows layer by layer), the buffer's
+dtype decides what comes after: an fp32 buffer (vLLM's fused add and norm, whose sum is fp32) changes nothing; a bf16
+one (a model that adds its residual itself in bf16) is the rounding the kernel normalises and every later kernel
+reads (``stores``). Whether the sum of squares takes that rounding too depends on where the store is (``summed``)::
+
+    in the reduction loop:   s = r + h * m (fp32); out = bf16(s); acc += s * s       stores "bfloat16", summed "fp32"
+                             (the store's cache hands the loop the fp32 value)
+    in a loop before it:     out = bf16(r + h * m); ...; x = float(out); acc += x * x stores "bfloat16", summed "stored"
+    then:                    y = float(out) * rsqrt(acc / size + eps) * w              (fxp_engine.inductor_stream rounds
+                                                                                       the training side's stream there)
 """
 
 from __future__ import annotations
@@ -22,7 +34,7 @@ import glob
 import os
 import re
 import weakref
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -34,6 +46,9 @@ _ACC = re.compile(r"at::vec::(?:VectorizedN<float,(\d+)>|Vectorized<float>) (tmp
                   r"for\(int64_t (x\d+)=static_cast<int64_t>\(0L\); \3<static_cast<int64_t>\((\d+)L\); "
                   r"\3\+=static_cast<int64_t>\((\d+)L\)\)")  # fmt: skip
 _SQUARE = re.compile(r"auto (tmp\d+) = (tmp\d+) \* \2;")
+_NARROWED = re.compile(r"auto (tmp\d+) = at::vec::convert<at::(BFloat16|Half)[,>][^;]*>\((tmp\d+)\);")
+_STORE = re.compile(r"(tmp\d+)\.store\((\w+) ")
+_STORED_DTYPES = {"BFloat16": "bfloat16", "Half": "float16"}
 _KERNEL = re.compile(r"^(cpp_fused\w+) = async_compile\.cpp_pybinding\(.*?r'''(.*?)'''\)", re.M | re.S)
 _CALL = re.compile(r"^\s+(cpp_fused\w+)\(", re.M)
 
@@ -42,12 +57,16 @@ _CALL = re.compile(r"^\s+(cpp_fused\w+)\(", re.M)
 class NormReduction:
     """One norm's sum of squares as the engine's kernel computes it: ``lanes`` floats accumulated per chunk, folded
     as vectors of ``width``, over rows of ``size``; ``module``: the training model's norm module that computes it
-    (None until bound, ``bind_norm_modules``)."""
+    (None until bound, ``bind_norm_modules``); ``stores``: the dtype the kernel stores the norm's input in before it
+    normalises that rounding, None where it normalises the fp32 value; ``summed``: what its sum of squares takes, the
+    fp32 value or the stored rounding (module docstring)."""
 
     lanes: int
     width: int
     size: int
     module: str | None = None
+    stores: str | None = None
+    summed: str = "fp32"
 
     def __post_init__(self) -> None:
         for name in ("lanes", "width", "size"):
@@ -58,28 +77,71 @@ class NormReduction:
             raise PrecisionError(f"NormReduction: lanes {self.lanes} must be whole vectors of a power-of-two width, got {self.width}")
         if self.module is not None and not isinstance(self.module, str):
             raise PrecisionError(f"NormReduction.module={self.module!r}: a module name or null")
+        if self.stores not in (None, *_STORED_DTYPES.values()):
+            raise PrecisionError(f"NormReduction.stores={self.stores!r}: one of {sorted(_STORED_DTYPES.values())} or null")
+        if self.summed not in ("fp32", "stored") or (self.summed == "stored" and self.stores is None):
+            raise PrecisionError(f"NormReduction.summed={self.summed!r}: 'fp32', or 'stored' where the kernel stores "
+                                 f"(stores={self.stores!r})")  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
-        return {"lanes": self.lanes, "width": self.width, "size": self.size, "module": self.module}
+        return {
+            "lanes": self.lanes,
+            "width": self.width,
+            "size": self.size,
+            "module": self.module,
+            "stores": self.stores,
+            "summed": self.summed,
+        }
 
     @classmethod
     def from_dict(cls, data: object) -> NormReduction:
-        if not isinstance(data, dict) or set(data) != {"lanes", "width", "size", "module"}:
-            raise PrecisionError(f"contract.norm_reductions: objects of lanes, width, size, module, got {data!r}"[:300])
-        return cls(data["lanes"], data["width"], data["size"], data["module"])
+        keys = {"lanes", "width", "size", "module"}
+        if not isinstance(data, dict) or set(data) not in (keys, keys | {"stores", "summed"}):  # older dumps: neither
+            raise PrecisionError(f"contract.norm_reductions: objects of lanes, width, size, module, stores, summed, got {data!r}"[:300])
+        return cls(data["lanes"], data["width"], data["size"], data["module"], data.get("stores"), data.get("summed", "fp32"))
+
+
+def _narrowings(code: str) -> dict[str, tuple[str, str]]:
+    """Each narrowing cast in ``code``: its variable -> (the dtype, the variable it narrows)."""
+    return {m.group(1): (_STORED_DTYPES[m.group(2)], m.group(3)) for m in _NARROWED.finditer(code)}
+
+
+def _stored_rounding(before: str, body: str, base: str, rest: str) -> tuple[str | None, str]:
+    """(stores, summed) of one norm (module docstring): the reduction loop ``body`` sums ``base`` squared; ``before``:
+    the kernel's code before that loop, ``rest``: after it, up to the next reduction. A narrowing of ``base`` stored in
+    the loop and read back after it: (dtype, "fp32"); ``base`` the widening of a load from a buffer the kernel stored
+    a narrowing in before the loop: (dtype, "stored"); else (None, "fp32")."""
+    narrowed = _narrowings(body)
+    for store in _STORE.finditer(body):
+        if store.group(1) in narrowed and narrowed[store.group(1)][1] == base and re.search(rf"loadu\({store.group(2)} \+", rest):
+            return narrowed[store.group(1)][0], "fp32"
+    widened = re.search(rf"auto {base} = at::vec::convert<float[^;]*>\((tmp\d+)\);", body)
+    loaded = widened and re.search(rf"auto {widened.group(1)} = at::vec::Vectorized<at::\w+>::loadu\((\w+) \+", body)
+    if loaded:
+        earlier = _narrowings(before)
+        for store in _STORE.finditer(before):
+            if store.group(2) == loaded.group(1) and store.group(1) in earlier:
+                return earlier[store.group(1)][0], "stored"
+    return None, "fp32"
 
 
 def _kernel_reductions(kernel: str) -> tuple[NormReduction, ...]:
     """The vectorised sums of squares of one kernel's C++ source, in its loops' order."""
     found = []
+    start = 0
     for acc in _ACC.finditer(kernel):
         vectors, name, size, step = int(acc.group(1) or 1), acc.group(2), int(acc.group(4)), int(acc.group(5))
         end = kernel.find(f"{name} = {name} + at::vec::vec_reduce_all", acc.end())
-        body = kernel[acc.end() : end if end > 0 else len(kernel)]
+        end = end if end > 0 else len(kernel)
+        body = kernel[acc.end() : end]
         added = re.search(rf"{name}_vec = {name}_vec \+ (tmp\d+);", body)
-        if added is None or not any(m.group(1) == added.group(1) for m in _SQUARE.finditer(body)):
-            continue  # another reduction (a max, an integer sum): not a norm
-        found.append(NormReduction(step, step // vectors, size))
+        square = next((m for m in _SQUARE.finditer(body) if added is not None and m.group(1) == added.group(1)), None)
+        following = _ACC.search(kernel, end)  # the next reduction's loop, if the kernel has one
+        if square is not None:  # else another reduction (a max, an integer sum): not a norm
+            rest = kernel[end : following.start() if following else len(kernel)]
+            stores, summed = _stored_rounding(kernel[start : acc.start()], body, square.group(2), rest)
+            found.append(NormReduction(step, step // vectors, size, stores=stores, summed=summed))
+        start = end
     return tuple(found)
 
 
@@ -156,10 +218,11 @@ def bind_norm_modules(reductions: tuple[NormReduction, ...], model: nn.Module) -
         if isinstance(weight, torch.Tensor) and weight.numel() != reduction.size:
             raise PrecisionError(f"engine contract: the engine's norm reduction over {reduction.size} values falls on {name}, "
                                  f"of width {weight.numel()}: the engine calls its norms in another order; {eager}")  # fmt: skip
-        made = NormReduction(reduction.lanes, reduction.width, reduction.size, name)
+        made = replace(reduction, module=name)
         if bound.setdefault(name, made) != made:
-            raise PrecisionError(f"engine contract: {name} is called twice and the engine sums its squares in two orders; {eager}")
-    return tuple(NormReduction(r.lanes, r.width, r.size, name) for name, r in zip(calls, reductions, strict=True))
+            raise PrecisionError(f"engine contract: {name} is called twice and the engine sums its squares in two orders "
+                                 f"(or rounds its input once and not again); {eager}")  # fmt: skip
+    return tuple(replace(r, module=name) for name, r in zip(calls, reductions, strict=True))
 
 
 def ordered_sum_squares(x: torch.Tensor, lanes: int, width: int) -> torch.Tensor:

@@ -3,13 +3,16 @@
 eager engine      the logits processor's GEMM probed alone and its scale (1 / logits_scaling, one bf16 rounding of
                   x * scale) recorded: compare --contract vllm, eager and compiled training side, bitwise on every log-prob
 compiled engine   Granite adds its residual itself (residual + h * residual_multiplier, bf16), which vLLM's Inductor
-                  graph keeps unrounded except where it stores the stream: refused in one line naming the norm op class
+                  keeps in fp32 and rounds where a norm's kernel stores it: read off its generated code by the rollout
+                  (contract.norm_reductions: stores, summed), followed in process and on FSDP2 x 2; without those
+                  reductions, refused in one line
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -59,11 +62,36 @@ def test_granite_is_bitwise_against_the_eager_engine(granite: Path, eager_dump: 
     assert report["logprob"]["generated"]["tokens"] == 24 and report["logprob"]["bitwise_share"] == 1.0, report["logprob"]
 
 
-def test_granite_against_the_compiled_engine_is_refused_in_one_line(granite: Path, tmp_path: Path) -> None:
-    done = run("rollout", "--model", str(granite), "--prompt-lens", "5,61", "--samples", "2", "--max-tokens", "6",
-               "--out", str(tmp_path / "dump"))  # fmt: skip
+@pytest.fixture(scope="module")
+def defaults_dump(granite: Path) -> Path:
+    dump = granite.parent / "defaults"
+    done = run("rollout", "--model", str(granite), "--prompt-lens", "5,61", "--samples", "2", "--max-tokens", "6", "--out", str(dump),
+               "--json")  # fmt: skip
     assert done.returncode == 0, done.stderr[-2000:]
-    done = run("compare", "--model", str(granite), "--rollout", str(tmp_path / "dump"), "--contract", "vllm", "--compiled")
+    contract = json.loads(done.stdout)["contract"]
+    assert contract["norm"] == "inductor" and any(r["stores"] == "bfloat16" for r in contract["norm_reductions"]), contract
+    return dump
+
+
+@pytest.mark.parametrize("world_size", [1, 2], ids=["in-process", "fsdp2x2"])
+def test_granite_is_bitwise_against_the_compiled_engine(granite: Path, defaults_dump: Path, world_size: int) -> None:
+    done = run("compare", "--model", str(granite), "--rollout", str(defaults_dump), "--contract", "vllm", "--compiled",
+               "--world-size", str(world_size), "--json")  # fmt: skip
+    assert done.returncode == 0, done.stderr[-2000:]
+    report = json.loads(done.stdout)
+    assert report["logprob"]["generated"]["tokens"] == 24 and report["logprob"]["bitwise_share"] == 1.0, report["logprob"]
+
+
+def test_granite_against_the_compiled_engine_without_its_norm_reductions_is_refused_in_one_line(
+    granite: Path, defaults_dump: Path, tmp_path: Path
+) -> None:
+    """Where the stream is rounded is only in the engine's generated code: a contract without it is never guessed at."""
+    dump = tmp_path / "dump"
+    shutil.copytree(defaults_dump, dump)
+    manifest = json.loads((dump / "manifest.json").read_text())
+    manifest["contract"]["norm_reductions"] = None
+    (dump / "manifest.json").write_text(json.dumps(manifest))
+    done = run("compare", "--model", str(granite), "--rollout", str(dump), "--contract", "vllm", "--compiled")
     last = done.stderr.strip().splitlines()[-1]
     assert done.returncode != 0 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert "norm at model.layers.0" in last and "adds its residual itself" in last and "--launch eager" in last, last
+    assert "scales a term of its residual stream itself" in last and "--launch eager" in last, last

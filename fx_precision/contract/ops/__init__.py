@@ -22,7 +22,8 @@
                   (and attention, for its KV tiles when none are passed) reads the forward's state
                   (ContractForward: its row plan and its sums, behind a ContextVar), which lives while
                   engine_rows is open; outside it they refuse in one line. Declared to the compiler as ordered
-                  effects (forward_state.py, with gdn, record_routes and inductor_sum_squares): kept in order,
+                  effects (forward_state.py, with gdn, record_routes, inductor_sum_squares and
+                  inductor_stream): kept in order,
                   never dropped or recomputed by a pass; a recompute inside engine_rows (activation
                   checkpointing with backward inside it) reads the same state: the same bits
         backward  straight through, as an add's and a cast's
@@ -41,11 +42,12 @@ from __future__ import annotations
 from fx_precision.contract.ops.attention import allowed_mask, attention_reference, engine_attention
 from fx_precision.contract.ops.eager_math import EAGER_MATH, eager_layer_norm, eager_math, eager_math_gradient
 from fx_precision.contract.ops.linear import engine_linear
-from fx_precision.contract.ops.norm_order import inductor_sum_squares
+from fx_precision.contract.ops.norm_order import inductor_stream, inductor_sum_squares
 from fx_precision.contract.ops.residual import residual_add, stored, unrounded_residual
 from fx_precision.contract.ops.rotary import engine_rotary, rotate, round_to
 
 __all__ = [
     "EAGER_MATH", "allowed_mask", "attention_reference", "eager_layer_norm", "eager_math", "eager_math_gradient", "engine_attention",
-    "engine_linear", "engine_rotary", "inductor_sum_squares", "residual_add", "rotate", "round_to", "stored", "unrounded_residual",
+    "engine_linear", "engine_rotary", "inductor_stream", "inductor_sum_squares", "residual_add", "rotate", "round_to", "stored",
+    "unrounded_residual",
 ]  # fmt: skip

@@ -6,7 +6,8 @@
                                                                    ::gdn (prefilled pieces, decoded tokens)
     the forward's residual sums             ::residual_add         ::unrounded_residual (the next graph's norm)
     (ContractForward.residual_sums)
-    the norm orders bound to modules        register_norm_orders   ::inductor_sum_squares (found by its weight)
+    the norm orders bound to modules        register_norm_orders   ::inductor_sum_squares, ::inductor_stream
+                                                                   (found by its weight)
     the route sink (RouteTap)               ::record_routes        the tap, after the forward (the ids each
                                                                    ::moe_route chose; the router itself is pure)
 

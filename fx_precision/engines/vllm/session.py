@@ -543,11 +543,14 @@ class VllmSession:
         else:  # vLLM's rotary module, its native form compiled: the tables computed eagerly at load, the rotation in the graph
             rotary = RotaryOp(RotaryForm.INDUCTOR, None)
             rotary_found = keeping(CandidateEvidence(details=details), rotary)
-        if self._probed[OpClass.NORM][0] not in (NormForm.FUSED_ADD, NormForm.INDUCTOR):  # the model adds its residual itself
+        if self._probed[OpClass.NORM][0] not in (NormForm.FUSED_ADD, NormForm.INDUCTOR) and self.description.inductor_norms is None:
+            # the model adds its residual itself (Granite's residual + h * residual_multiplier, in bf16): Inductor keeps that
+            # stream in fp32 and rounds it only where a norm's kernel stores it, which only the generated code tells
             # (INDUCTOR: this engine's forms read at an earlier probe, the on-policy loop's every step)
             why = ("the compiled engine (--launch defaults): the model adds its residual itself, not through vLLM's fused add and "
-                   "norm (Granite's residual + h * residual_multiplier), so its bf16 stream is rounded only where Inductor stores "
-                   "it, which the contract does not follow; roll out with --launch eager, which it does")  # fmt: skip
+                   "norm (Granite's residual + h * residual_multiplier), and where Inductor rounds that stream is read off the "
+                   f"engine's generated code, which was not read ({self.description.inductor_norms_why}); roll out with "
+                   "--launch eager, which the contract follows")  # fmt: skip
             return {OpClass.NORM: (None, CandidateEvidence(why=why, details=details)), OpClass.ROTARY: (rotary, rotary_found)}
         return {
             OpClass.NORM: (NormForm.INDUCTOR, keeping(CandidateEvidence(details=details), NormForm.INDUCTOR)),

@@ -23,6 +23,10 @@ inductor    the compiled engine (vLLM's native forms through Inductor): Inductor
     mean(x ** 2, -1, keepdim=True)             ->  fxp_engine.inductor_sum_squares(x, weight) / size, where the
                                                    contract holds the engine's norm orders (FSDP2 units fuse a
                                                    norm otherwise: contract/inductor_norms.py)
+    x * c  (bf16 stream term, Granite)         ->  x.to(fp32) * c
+    a norm's input x, where the engine's       ->  fxp_engine.inductor_stream(x, weight): normalised and carried on
+      kernel stores it narrow                      rounded, its squares summed unrounded (Granite's stream, which
+                                                   Inductor realises in bf16 every few layers)
 unmatched   a graph with the pattern is refused with the probe's reason
 """
 
@@ -196,20 +200,103 @@ def _engine_ordered_sum(graph: fx.Graph, scaled: fx.Node, weight: fx.Node) -> En
     return record(NORM, made, scaled, f"the norm's sum of squares in the compiled engine's order (over {size} values)")
 
 
+def _constant_factor(node: fx.Node) -> tuple[fx.Node, float] | None:
+    """(x, c) of a narrow ``x * c`` by a Python number (either order): Granite's multipliers."""
+    if not is_call(node, MUL, "mul") or len(node.args) != 2 or node.kwargs:
+        return None
+    for x, c in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
+        if isinstance(x, fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool) and node_dtype(x) in _NARROW:
+            return x, float(c)
+    return None
+
+
+def _is_embedding(node: fx.Node) -> bool:
+    return is_call(node, torch.nn.functional.embedding, "embedding") or (node.op == "call_module" and "embed" in str(node.target))
+
+
+def _feeds_stream(node: fx.Node, x: fx.Node) -> bool:
+    """``node`` (``x * c``) is a term of the residual stream: an operand of an add of two tensors, widened into a norm,
+    or a scaled embedding leaving the graph (the stream's start, handed to the first layer's FSDP2 unit)."""
+    if _is_embedding(x) and any(u.op == "output" for u in node.users):
+        return True
+    for user in node.users:
+        if _widening_cast(user) and _feeds_mean_of_squares(user):
+            return True
+        if is_call(user, ADD, "add") and len([a for a in user.args[:2] if isinstance(a, fx.Node)]) == 2:
+            return True
+    return False
+
+
+def _scaled_stream_terms(graph: fx.Graph) -> list[EngineRewrite]:
+    """A model that scales a term of its stream by a constant in bf16 (Granite: ``embeds * embedding_multiplier``,
+    ``residual + h * residual_multiplier``): the compiled engine's kernel multiplies the widened term in fp32, never
+    rounding the product, as it adds it::
+
+        x * c  (bf16, a stream term)   ->   x.to(fp32) * c
+    """
+    done = []
+    for node in list(graph.nodes):
+        found = _constant_factor(node)
+        if found is None or not _feeds_stream(node, found[0]):
+            continue
+        x, c = found
+
+        def build(x: fx.Node = x, c: float = c) -> fx.Node:
+            return graph.call_function(operator.mul, (graph.call_method("to", (x, torch.float32)), c))
+
+        made = replace_node(graph, node, build, NORM)
+        done.append(record(NORM, made, node, "a scaled stream term in fp32, as the compiled engine's kernel multiplies it"))
+    return done
+
+
+def _stream_roundings(graph: fx.Graph, scalings: list[tuple[fx.Node, fx.Node]]) -> list[EngineRewrite]:
+    """Where the engine's norm kernel stores its input narrow (``NormReduction.stores``): the norm normalises that
+    rounding and the stream goes on from it, while its sum of squares takes the fp32 value::
+
+        x = s.to(fp32); ... x * rsqrt(...); r = s (the residual)
+            ->  xr = fxp_engine.inductor_stream(x, weight); ... xr * rsqrt(...); r = xr
+
+    Decided at run time by the norm's weight (one graph Dynamo reuses for several layers rounds where each does)."""
+    done = []
+    stream = torch.ops.fxp_engine.inductor_stream.default
+    for scaled, weight in scalings:
+        x = next(a for a in scaled.args[:2] if isinstance(a, fx.Node) and not is_call(a, torch.rsqrt, "rsqrt"))
+        source = x.args[0] if _widening_cast(x) and isinstance(x.args[0], fx.Node) else None
+        with graph.inserting_after(x):
+            rounded = graph.call_function(stream, (x, _weight_source(weight)))
+        rounded.meta.update({k: v for k, v in x.meta.items() if k in ("nn_module_stack", "stack_trace")})
+        scaled.replace_input_with(x, rounded)
+        if source is not None:
+            for user in [u for u in source.users if u is not x and u.op != "output"]:
+                user.replace_input_with(source, rounded)
+        done.append(record(NORM, rounded, scaled, "the norm's input as the engine's kernel leaves it (rounded where it stores it)"))
+    return done
+
+
 def _inductor_norms(gm: fx.GraphModule, contract: EngineContract) -> list[EngineRewrite]:
     """The inductor form (module docstring): the residual stream in fp32, each weighted norm one fp32 product."""
     graph = gm.graph
+    done = _scaled_stream_terms(graph)
+    if done and contract.norm_reductions is None:
+        raise PrecisionError(
+            f"engine contract: the model scales a term of its residual stream itself ({done[0].module or '<root>'}: Granite's "
+            "multipliers), which the compiled engine rounds only where its norm kernels store the stream, read off its "
+            "generated code, and this contract holds no norm reductions; roll out again (the engine's compile cache "
+            "readable), or with --launch eager"
+        )
     fused = [add for n in graph.nodes if (add := _widening_cast_of_add(n)) is not None and _feeds_mean_of_squares(n)]
     leaving = [n for n in graph.nodes if n.op == "call_function" and is_call(n, ADD) and _narrow_pair(n) and reaches_output(n)]
     norms = _weighted_norms(graph)
-    done = []
     for add in dict.fromkeys(fused + leaving):
         a, b = (x for x in add.args[:2] if isinstance(x, fx.Node))  # _narrow_pair / _widening_cast_of_add: two nodes
         made = replace_node(graph, add, functools.partial(_fp32_sum, graph, a, b), NORM)
         done.append(record(NORM, made, add, "the residual stream in fp32, as the compiled engine keeps it"))
     if contract.norm_reductions is not None:  # each norm's sum of squares in the engine's order, whatever Inductor fuses here
-        for scaled, weight in _scaling_weights(graph):
+        scalings = _scaling_weights(graph)
+        for scaled, weight in scalings:
             done.append(_engine_ordered_sum(graph, scaled, weight))
+        if any(r.stores is not None for r in contract.norm_reductions):
+            done.extend(_stream_roundings(graph, scalings))
     for out, scaled, weight in norms:
         cast = next(a for a in out.args if isinstance(a, fx.Node) and a is not weight)
         narrow = node_dtype(cast) or torch.bfloat16  # the norm's input dtype, which the engine stores its output in
