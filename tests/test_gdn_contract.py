@@ -98,6 +98,26 @@ def test_the_avx512_builds_kernels_stay_the_delta_rule_at_every_split(H: int, Hv
         gdn_forward(x, a, b, _plan(("prefill", T)), GdnLayer(weight, A_log, dt_bias, H, True, 1e-5, "avx512"))
 
 
+@pytest.mark.parametrize("kernels", ["portable", "avx512"])
+def test_the_kernels_give_the_same_bits_on_any_number_of_threads(kernels: str) -> None:
+    """The kernels split a layer's value heads (and the conv's outputs) over torch's threads, each head its own
+    arithmetic: a trainer on 1 thread and one on 2 get the engine's bits alike (the engine's threads are its own)."""
+    if kernels == "avx512" and not torch.cpu._is_avx512_supported():
+        pytest.skip("the AVX-512 build's kernels call this CPU's VRCP14PS: no AVX-512 here")
+    x, weight, a, b, A_log, dt_bias = _layer_inputs(150, 2, 6, 64, 4, seed=11)
+    layer = GdnLayer(weight, A_log, dt_bias, 2, False, 1e-5, kernels)
+    plan = _plan(("prefill", 40), ("decode", 3), ("prefill", 60), ("decode", 47))
+    before = torch.get_num_threads()
+    try:
+        runs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            runs.append(gdn_forward(x, a, b, plan, layer))
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(runs[0].view(torch.int16), runs[1].view(torch.int16))
+
+
 def test_the_reference_is_the_models_own_delta_rule() -> None:
     """gdn_reference's rule is transformers' (the training side's) chunked gated delta rule, l2-normalised q / k."""
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next", reason="transformers with Qwen3-Next")

@@ -84,13 +84,26 @@ inline float dot_pair(float acc, float a0, float a1, float b0, float b1) {
 
 // oneDNN's avx512_core_bf16 brgemm on bf16 values held as floats: C[m][n] = (add ? C + acc : acc), acc from 0 over
 // the K pairs in order (odd element first). B is [K][N] row-major.
-void brgemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool add) {
+// Each output's pairs are folded in order; the outputs of a row advance together (a vector of them, as the kernel's
+// own registers hold them), which is the same arithmetic per output.
+__attribute__((target("avx512f"))) void brgemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+                                                bool add) {
+  std::vector<float> acc(N);
+  const int whole = N - N % 16;
   for (int m = 0; m < M; ++m) {
-    for (int n = 0; n < N; ++n) {
-      float acc = 0.0f;
-      for (int p = 0; p < K / 2; ++p) acc = dot_pair(acc, A[m * lda + 2 * p], A[m * lda + 2 * p + 1], B[(2 * p) * ldb + n], B[(2 * p + 1) * ldb + n]);
-      C[m * ldc + n] = add ? acc + C[m * ldc + n] : acc;
+    std::fill(acc.begin(), acc.end(), 0.0f);
+    for (int p = 0; p < K / 2; ++p) {
+      const float a0 = A[m * lda + 2 * p], a1 = A[m * lda + 2 * p + 1];
+      const float* b0 = B + (2 * p) * ldb;
+      const float* b1 = B + (2 * p + 1) * ldb;
+      const __m512 va0 = _mm512_set1_ps(a0), va1 = _mm512_set1_ps(a1);
+      for (int n = 0; n < whole; n += 16) {  // dot_pair, 16 outputs at once: the odd product added first, each sum rounded
+        __m512 v = _mm512_add_ps(_mm512_loadu_ps(&acc[n]), _mm512_mul_ps(va1, _mm512_loadu_ps(b1 + n)));
+        _mm512_storeu_ps(&acc[n], _mm512_add_ps(v, _mm512_mul_ps(va0, _mm512_loadu_ps(b0 + n))));
+      }
+      for (int n = whole; n < N; ++n) acc[n] = dot_pair(acc[n], a0, a1, b0[n], b1[n]);
     }
+    for (int n = 0; n < N; ++n) C[m * ldc + n] = add ? acc[n] + C[m * ldc + n] : acc[n];
   }
 }
 
@@ -121,6 +134,30 @@ void l2_normalised(const uint16_t* x, int64_t D, float eps, bool scaled, float* 
   }
 }
 
+// One head's decode step on its state St [D (k), D (v)]: kv, delta and o [D] per output vd, each folding d in order
+// (16 outputs a vector: the same fma, mul and sub per output as one at a time). D is whole vectors (64, 128).
+__attribute__((target("avx512f"))) void decode_head(float* St, const uint16_t* kr, const uint16_t* qr, const uint16_t* vr, float ge, float bt,
+                                                    float qs, float ks, float scale, int64_t D, float* kv, float* delta, float* o) {
+  const __m512 vge = _mm512_set1_ps(ge), vscale = _mm512_set1_ps(scale);
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kd = _mm512_set1_ps(b2f(kr[d]) * ks);
+    const float* Srow = St + d * D;
+    for (int64_t vd = 0; vd < D; vd += 16)
+      _mm512_storeu_ps(kv + vd, _mm512_fmadd_ps(_mm512_mul_ps(_mm512_loadu_ps(Srow + vd), vge), kd, _mm512_loadu_ps(kv + vd)));
+  }
+  for (int64_t vd = 0; vd < D; ++vd) delta[vd] = (b2f(vr[vd]) - kv[vd]) * bt;
+  for (int64_t d = 0; d < D; ++d) {
+    const __m512 kd = _mm512_set1_ps(b2f(kr[d]) * ks);
+    const __m512 qd = _mm512_set1_ps(b2f(qr[d]) * qs);
+    float* Srow = St + d * D;
+    for (int64_t vd = 0; vd < D; vd += 16) {
+      const __m512 updated = _mm512_fmadd_ps(kd, _mm512_loadu_ps(delta + vd), _mm512_mul_ps(_mm512_loadu_ps(Srow + vd), vge));
+      _mm512_storeu_ps(o + vd, _mm512_fmadd_ps(_mm512_mul_ps(updated, qd), vscale, _mm512_loadu_ps(o + vd)));
+      _mm512_storeu_ps(Srow + vd, updated);
+    }
+  }
+}
+
 }  // namespace
 
 extern "C" {
@@ -130,6 +167,7 @@ void fxp_gdn512_set_log(void* fn) { g_log16 = reinterpret_cast<Log16>(fn); }
 // One piece's conv: x [L, C] bf16 rows after history [3, C] (the request's stored inputs, oldest first; zeros for a new
 // request), w [C, 4] bf16; out [L, C] bf16.
 void fxp_gdn512_conv(const uint16_t* x, const uint16_t* history, const uint16_t* w, int64_t L, int64_t C, uint16_t* out) {
+#pragma omp parallel for collapse(2) schedule(static)  // every output its own arithmetic: split over threads as they come
   for (int64_t t = 0; t < L; ++t) {
     for (int64_t c = 0; c < C; ++c) {
       float xs[4];
@@ -175,7 +213,7 @@ void fxp_gdn512_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
   const int64_t group = Hv / H;
   const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
   const float eps = 1e-5f;  // the decode kernel's own constant
-  std::vector<float> factors(2 * B * H), delta(D);
+  std::vector<float> factors(2 * B * H);
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t h = 0; h < H; ++h) {
       for (int which = 0; which < 2; ++which) {
@@ -189,8 +227,12 @@ void fxp_gdn512_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       }
     }
   }
+  // Heads apart (each thread whole heads); within a head every output vd folds d in order, the outputs advancing
+  // together: the kernel's arithmetic per output, whatever the threads.
+#pragma omp parallel for collapse(2) schedule(static)
   for (int64_t i = 0; i < B; ++i) {
     for (int64_t n = 0; n < Hv; ++n) {
+      std::vector<float> kv(D, 0.0f), delta(D), o(D, 0.0f);
       const int64_t h = n / group;
       const float x = b2f(a[i * Hv + n]) + b2f(dt[n]);
       const float ge = std::exp(-std::exp(A_log[n]) * softplus_scalar(x));
@@ -199,20 +241,8 @@ void fxp_gdn512_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, 
       float* St = S + (i * Hv + n) * D * D;
       const uint16_t* qr = q + (i * H + h) * D;
       const uint16_t* kr = k + (i * H + h) * D;
-      for (int64_t vd = 0; vd < D; ++vd) {
-        float kv = 0.0f;
-        for (int64_t d = 0; d < D; ++d) kv = std::fma(St[d * D + vd] * ge, b2f(kr[d]) * ks, kv);
-        delta[vd] = (b2f(v[(i * Hv + n) * D + vd]) - kv) * bt;
-      }
-      for (int64_t vd = 0; vd < D; ++vd) {
-        float o = 0.0f;
-        for (int64_t d = 0; d < D; ++d) {
-          const float updated = std::fma(b2f(kr[d]) * ks, delta[vd], St[d * D + vd] * ge);
-          o = std::fma(updated * (b2f(qr[d]) * qs), scale, o);
-          St[d * D + vd] = updated;
-        }
-        out[(i * Hv + n) * D + vd] = to_bf16_sw(o);
-      }
+      decode_head(St, kr, qr, v + (i * Hv + n) * D, ge, bt, qs, ks, scale, D, kv.data(), delta.data(), o.data());
+      for (int64_t vd = 0; vd < D; ++vd) out[(i * Hv + n) * D + vd] = to_bf16_sw(o[vd]);
     }
   }
 }
@@ -230,9 +260,11 @@ void fxp_gdn512_chunk(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
       l2_normalised(k + (t * H + h) * D, D, eps, false, &kn[(t * H + h) * D]);
     }
   }
-  std::vector<float> gc(C), decay(C * C), attn(C * C), A(C * C), kb(C * D), vb(C * D), w(C * D), u(C * D), Sb(D * D), wS(C * D),
-      v2(C * D), qg(C * D), o(C * D), ku(D * C), kc(C * D), qc(C * D), row(C), kT(D * C), P(C * C);
+  // Heads apart: each thread whole heads, each head its own scratch (the engine's arithmetic per head, whatever the threads)
+#pragma omp parallel for schedule(static)
   for (int64_t hv = 0; hv < Hv; ++hv) {
+    std::vector<float> gc(C), decay(C * C), attn(C * C), A(C * C), kb(C * D), vb(C * D), w(C * D), u(C * D), Sb(D * D), wS(C * D),
+        v2(C * D), qg(C * D), o(C * D), ku(D * C), kc(C * D), qc(C * D), row(C), kT(D * C), P(C * C);
     const int64_t h = hv / group;
     float* St = S + hv * D * D;
     for (int64_t c0 = 0; c0 < L; c0 += C) {

@@ -279,9 +279,12 @@ void fxp_gdn_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, con
                     int state_bf16, uint16_t* out, int64_t B, int64_t H, int64_t Hv, int64_t D, float eps) {
     const int64_t group = Hv / H;
     const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    std::vector<float> qv(D), kv(D), acc(D), dt(D), o(D);
+    // Heads apart (each thread whole heads); within a head every output vd folds di in order, the outputs advancing
+    // together over the state's rows: the kernel's arithmetic per output, whatever the threads.
+#pragma omp parallel for collapse(2) schedule(static)
     for (int64_t bi = 0; bi < B; ++bi) {
         for (int64_t n = 0; n < Hv; ++n) {
+            std::vector<float> qv(D), kv(D), acc(D, 0.0f), dt(D), o(D, 0.0f);
             const int64_t h = n / group;
             const uint16_t* qrow = q + (bi * H + h) * D;
             const uint16_t* krow = k + (bi * H + h) * D;
@@ -294,30 +297,33 @@ void fxp_gdn_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, con
             const float ge = expf(g[bi * Hv + n]);
             const float bt = bf2f(beta[bi * Hv + n]);
             float* S = state + (bi * Hv + n) * D * D;
-            for (int64_t vd = 0; vd < D; ++vd) {
-                float s = 0.0f;
-                for (int64_t di = 0; di < D; ++di) {
-                    float decayed = S[di * D + vd] * ge;
-                    float prod = decayed * kv[di];
-                    s = s + prod;
+            for (int64_t di = 0; di < D; ++di) {
+                const float* row = S + di * D;
+                const float kd = kv[di];
+                for (int64_t vd = 0; vd < D; ++vd) {
+                    float decayed = row[vd] * ge;
+                    float prod = decayed * kd;
+                    acc[vd] = acc[vd] + prod;
                 }
-                acc[vd] = s;
-                float diff = bf2f(v[(bi * Hv + n) * D + vd]) - s;
+            }
+            for (int64_t vd = 0; vd < D; ++vd) {
+                float diff = bf2f(v[(bi * Hv + n) * D + vd]) - acc[vd];
                 dt[vd] = diff * bt;
             }
-            for (int64_t vd = 0; vd < D; ++vd) {
-                float ov = 0.0f;
-                for (int64_t di = 0; di < D; ++di) {
-                    float decayed = S[di * D + vd] * ge;
-                    float upd = kv[di] * dt[vd];
+            for (int64_t di = 0; di < D; ++di) {
+                float* row = S + di * D;
+                const float kd = kv[di], qd = qv[di];
+                for (int64_t vd = 0; vd < D; ++vd) {
+                    float decayed = row[vd] * ge;
+                    float upd = kd * dt[vd];
                     float sn = decayed + upd;
-                    float t = sn * qv[di];
+                    float t = sn * qd;
                     t = t * scale;
-                    ov = ov + t;
-                    S[di * D + vd] = state_bf16 ? rbf(sn) : sn;
+                    o[vd] = o[vd] + t;
+                    row[vd] = state_bf16 ? rbf(sn) : sn;
                 }
-                out[(bi * Hv + n) * D + vd] = f2bf(ov);
             }
+            for (int64_t vd = 0; vd < D; ++vd) out[(bi * Hv + n) * D + vd] = f2bf(o[vd]);
         }
     }
 }

@@ -50,10 +50,31 @@ inline void moe_activation(const float* gate, const float* up, float* act, int64
 }
 
 
-// acc[n * 16 + m] = sum_k xt[k * 16 + m] * w[n * K + k], one FMA chain per (n, m) in k order, from 0.
+// acc[n * 16 + m] = sum_k xt[k * 16 + m] * w[n * K + k], one FMA chain per (n, m) in k order, from 0. Four outputs n
+// advance together (four independent chains in flight, as a GEMM's register block holds them): each chain's own
+// order is unchanged.
 __attribute__((target_clones("avx512f", "avx2,fma", "default")))
 void moe_chains(const float* xt, const uint16_t* w, int64_t N, int64_t K, float* acc) {
-  for (int64_t n = 0; n < N; ++n) {
+  int64_t n = 0;
+  for (; n + 4 <= N; n += 4) {
+    float a0[kMoeLanes] = {}, a1[kMoeLanes] = {}, a2[kMoeLanes] = {}, a3[kMoeLanes] = {};
+    const uint16_t *r0 = w + n * K, *r1 = r0 + K, *r2 = r1 + K, *r3 = r2 + K;
+    for (int64_t k = 0; k < K; ++k) {
+      const float w0 = bf16_value(r0[k]), w1 = bf16_value(r1[k]), w2 = bf16_value(r2[k]), w3 = bf16_value(r3[k]);
+      const float* xk = xt + k * kMoeLanes;
+      for (int m = 0; m < kMoeLanes; ++m) {
+        a0[m] = std::fmaf(xk[m], w0, a0[m]);
+        a1[m] = std::fmaf(xk[m], w1, a1[m]);
+        a2[m] = std::fmaf(xk[m], w2, a2[m]);
+        a3[m] = std::fmaf(xk[m], w3, a3[m]);
+      }
+    }
+    std::memcpy(acc + n * kMoeLanes, a0, sizeof(a0));
+    std::memcpy(acc + (n + 1) * kMoeLanes, a1, sizeof(a1));
+    std::memcpy(acc + (n + 2) * kMoeLanes, a2, sizeof(a2));
+    std::memcpy(acc + (n + 3) * kMoeLanes, a3, sizeof(a3));
+  }
+  for (; n < N; ++n) {
     float a[kMoeLanes] = {};
     const uint16_t* row = w + n * K;
     for (int64_t k = 0; k < K; ++k) {
