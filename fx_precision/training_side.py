@@ -12,7 +12,8 @@
                 the shard (they are read from the unsharded model)
     5 shard     apply_fsdp2 on ``mesh`` (a gloo rank), or none: gathers emulated at use in process
     6 hooks     the eager fix's casts registered as module hooks (after FSDP2's own); under a compiled engine's contract
-                (norm inductor) the input embedding's output widened to fp32, as the engine's stream starts
+                whose model adds its residual itself (norm inductor-stream) the input embedding's output widened to fp32,
+                as the engine's stream starts
     7 compile   torch.compile with precision_backend (Inductor, or aot_eager); under a contract always (the contract is
                 a graph rewrite: "eager" under it is the pass with aot_eager)
 
@@ -255,7 +256,7 @@ def _register_fix(side: TrainingSide) -> TrainingSide:
     if side.fix is not None:
         side.fix.apply(side.model)
     contract = side.policy.contract
-    if contract is not None and contract.norm == NormForm.INDUCTOR:
+    if contract is not None and contract.norm == NormForm.INDUCTOR_STREAM:
         _stream_from_the_embedding_in_fp32(side.model)
     return side
 

@@ -42,6 +42,8 @@ class NormForm(TextEnum):
     FUSED_ADD = "fused-add"  # the fp32 sum of the residual add (vLLM's fused_add_rms_norm); the stream keeps its rounding
     PLAIN = "plain"  # the sum the model rounded itself (Granite's residual multiplier)
     INDUCTOR = "inductor"  # the compiled engine: the residual stream kept fp32, the norm's product stored once (Inductor's fusion)
+    INDUCTOR_STREAM = "inductor-stream"  # the same where the model adds its residual itself (Granite): its bf16 chain kept
+    # fp32 by Inductor, rounded where a norm's kernel stores it (contract.norm_reductions: stores, summed)
 
 
 class RotaryForm(TextEnum):

@@ -543,17 +543,20 @@ class VllmSession:
         else:  # vLLM's rotary module, its native form compiled: the tables computed eagerly at load, the rotation in the graph
             rotary = RotaryOp(RotaryForm.INDUCTOR, None)
             rotary_found = keeping(CandidateEvidence(details=details), rotary)
-        if self._probed[OpClass.NORM][0] not in (NormForm.FUSED_ADD, NormForm.INDUCTOR) and self.description.inductor_norms is None:
+        probed, probed_found = self._probed[OpClass.NORM]  # (a form of this engine read at an earlier probe: the loop's steps)
+        if probed is None:
+            return {OpClass.NORM: (None, probed_found), OpClass.ROTARY: (rotary, rotary_found)}
+        form = NormForm.INDUCTOR if probed in (NormForm.FUSED_ADD, NormForm.INDUCTOR) else NormForm.INDUCTOR_STREAM
+        if form is NormForm.INDUCTOR_STREAM and self.description.inductor_norms is None:
             # the model adds its residual itself (Granite's residual + h * residual_multiplier, in bf16): Inductor keeps that
             # stream in fp32 and rounds it only where a norm's kernel stores it, which only the generated code tells
-            # (INDUCTOR: this engine's forms read at an earlier probe, the on-policy loop's every step)
             why = ("the compiled engine (--launch defaults): the model adds its residual itself, not through vLLM's fused add and "
                    "norm (Granite's residual + h * residual_multiplier), and where Inductor rounds that stream is read off the "
                    f"engine's generated code, which was not read ({self.description.inductor_norms_why}); roll out with "
                    "--launch eager, which the contract follows")  # fmt: skip
             return {OpClass.NORM: (None, CandidateEvidence(why=why, details=details)), OpClass.ROTARY: (rotary, rotary_found)}
         return {
-            OpClass.NORM: (NormForm.INDUCTOR, keeping(CandidateEvidence(details=details), NormForm.INDUCTOR)),
+            OpClass.NORM: (form, keeping(CandidateEvidence(details=details), form)),
             OpClass.ROTARY: (rotary, rotary_found),
             OpClass.EAGER_MATH: (True, CandidateEvidence(kept="the rotary tables only", details=details)),
         }

@@ -23,7 +23,8 @@ inductor    the compiled engine (vLLM's native forms through Inductor): Inductor
     mean(x ** 2, -1, keepdim=True)             ->  fxp_engine.inductor_sum_squares(x, weight) / size, where the
                                                    contract holds the engine's norm orders (FSDP2 units fuse a
                                                    norm otherwise: contract/inductor_norms.py)
-    x * c  (bf16 stream term, Granite)         ->  x.to(fp32) * c
+    (inductor-stream: the model adds its residual itself, Granite)
+    x * c  (bf16 stream term)                  ->  x.to(fp32) * c
     a norm's input x, where the engine's       ->  fxp_engine.inductor_stream(x, weight): normalised and carried on
       kernel stores it narrow                      rounded, its squares summed unrounded (Granite's stream, which
                                                    Inductor realises in bf16 every few layers)
@@ -276,13 +277,12 @@ def _stream_roundings(graph: fx.Graph, scalings: list[tuple[fx.Node, fx.Node]]) 
 def _inductor_norms(gm: fx.GraphModule, contract: EngineContract) -> list[EngineRewrite]:
     """The inductor form (module docstring): the residual stream in fp32, each weighted norm one fp32 product."""
     graph = gm.graph
-    done = _scaled_stream_terms(graph)
-    if done and contract.norm_reductions is None:
+    done = _scaled_stream_terms(graph) if contract.norm == NormForm.INDUCTOR_STREAM else []
+    if contract.norm == NormForm.INDUCTOR_STREAM and contract.norm_reductions is None:
         raise PrecisionError(
-            f"engine contract: the model scales a term of its residual stream itself ({done[0].module or '<root>'}: Granite's "
-            "multipliers), which the compiled engine rounds only where its norm kernels store the stream, read off its "
-            "generated code, and this contract holds no norm reductions; roll out again (the engine's compile cache "
-            "readable), or with --launch eager"
+            "engine contract: the model adds its residual stream itself (Granite's residual + h * multiplier), which the "
+            "compiled engine rounds only where its norm kernels store it, read off its generated code, and this contract "
+            "holds no norm reductions; roll out again (the engine's compile cache readable), or with --launch eager"
         )
     fused = [add for n in graph.nodes if (add := _widening_cast_of_add(n)) is not None and _feeds_mean_of_squares(n)]
     leaving = [n for n in graph.nodes if n.op == "call_function" and is_call(n, ADD) and _narrow_pair(n) and reaches_output(n)]
@@ -327,7 +327,7 @@ def fuse_add_norm(contract: EngineContract) -> RewriteFn:
         leaving = [n for n in graph.nodes if n.op == "call_function" and is_call(n, ADD) and _narrow_pair(n) and reaches_output(n)]
         if contract.norm is None and (fused or taken):
             raise contract.refused(NORM, module_path(fused[0][0] if fused else taken[0]))
-        if contract.norm == NormForm.INDUCTOR:
+        if contract.norm in (NormForm.INDUCTOR, NormForm.INDUCTOR_STREAM):
             return _inductor_norms(gm, contract)
         if contract.norm != NormForm.FUSED_ADD:
             return []
