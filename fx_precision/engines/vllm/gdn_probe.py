@@ -16,6 +16,7 @@ Nothing here runs what this CPU cannot: every op probed is the engine's own, loa
 
 from __future__ import annotations
 
+import functools
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -133,6 +134,10 @@ def _not_followed(dim: int, value_dim: int, state_dtype: torch.dtype | None) -> 
     return None
 
 
+def _randn(gen: torch.Generator, *shape: int, scale: float = 1.0) -> torch.Tensor:
+    return torch.randn(*shape, generator=gen) * scale
+
+
 def _gating_checked(Hv: int, kernels: str, gen: torch.Generator, differ: list[str]) -> tuple[torch.Tensor, torch.Tensor]:
     """The engine's prefill gating against the contract's ``kernels`` on random inputs ("prefill gating" appended to
     ``differ`` where a bit parts); returns the A_log and dt_bias drawn, for the probes after it."""
@@ -187,8 +192,7 @@ def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: t
     bf16_state = state_dtype == bf
     differ: list[str] = []
 
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
+    randn = functools.partial(_randn, gen)
 
     A_log, dt_bias = _gating_checked(Hv, PORTABLE, gen, differ)
     _chunk_checked(H, Hv, D, state_dtype, PORTABLE, gen, differ)
@@ -236,8 +240,7 @@ def _differing512(H: int, Hv: int, D: int, gen: torch.Generator) -> list[str]:
     bf = torch.bfloat16
     differ: list[str] = []
 
-    def randn(*shape: int, scale: float = 1.0) -> torch.Tensor:
-        return torch.randn(*shape, generator=gen) * scale
+    randn = functools.partial(_randn, gen)
 
     A_log, dt_bias = _gating_checked(Hv, AVX512, gen, differ)
     _chunk_checked(H, Hv, D, torch.float32, AVX512, gen, differ)

@@ -63,6 +63,24 @@ def record(op_class: OpClass, made: fx.Node, of: fx.Node, what: str) -> EngineRe
     return EngineRewrite(op_class, made.name, of.name, module_path(of), what)
 
 
+DIVIDES = (operator.truediv, torch.div, torch.true_divide)
+MULTIPLIES = (operator.mul, torch.mul)
+
+
+def constant_factor(node: fx.Node, by: fx.Node, *, divides: bool = True) -> float | None:
+    """The constant ``node`` multiplies ``by`` with (x * c, c * x; with ``divides``, x / c as 1 / c), else None."""
+    if node.op != "call_function" or node.kwargs or len(node.args) != 2:
+        return None
+    first, second = node.args
+    if divides and node.target in DIVIDES and first is by and isinstance(second, (int, float)) and not isinstance(second, bool):
+        return 1.0 / float(second)
+    if node.target in MULTIPLIES:
+        other = second if first is by else first if second is by else None
+        if isinstance(other, (int, float)) and not isinstance(other, bool):
+            return float(other)
+    return None
+
+
 PASS_THROUGH = ("to", "float", "view", "reshape", "contiguous", "transpose", "permute", "squeeze", "unsqueeze")
 
 

@@ -22,27 +22,11 @@ from fx_precision.contract.vocabulary import OpClass
 from fx_precision.errors import PrecisionError
 from fx_precision.passes.context import PassContext
 from fx_precision.passes.graph.nodes import module_path
-from fx_precision.passes.rewrites.engine.common import PASS_THROUGH, EngineRewrite, RewriteFn, record, replace_node
+from fx_precision.passes.rewrites.engine.common import PASS_THROUGH, EngineRewrite, RewriteFn, constant_factor, record, replace_node
 from fx_precision.passes.rules.engine_coverage import UNRECORDED_SCALE
 
 LOGPROBS = OpClass.LOGPROBS
-DIVIDES = (operator.truediv, torch.div, torch.true_divide)
-MULTIPLIES = (operator.mul, torch.mul)
 CLOSE = 1e-12  # the model's 1 / c against the engine's scale: the same Python float up to the division's rounding
-
-
-def _constant(node: fx.Node, by: fx.Node) -> float | None:
-    """The constant ``node`` divides or multiplies ``by`` with (x / c, x * c, c * x), else None."""
-    if node.op != "call_function" or node.kwargs or len(node.args) != 2:
-        return None
-    first, second = node.args
-    if node.target in DIVIDES and first is by and isinstance(second, (int, float)) and not isinstance(second, bool):
-        return 1.0 / float(second)
-    if node.target in MULTIPLIES:
-        other = second if first is by else first if second is by else None
-        if isinstance(other, (int, float)) and not isinstance(other, bool):
-            return float(other)
-    return None
 
 
 def _is_tanh(node: fx.Node) -> bool:
@@ -56,7 +40,7 @@ def _is_tanh(node: fx.Node) -> bool:
 def _soft_cap_end(divided: fx.Node) -> fx.Node | None:
     """The ``* cap`` ending a soft cap (x / cap -> tanh -> * cap) that starts at ``divided``, else None."""
     tanhs = [u for u in divided.users if _is_tanh(u)]
-    ends = [u for u in tanhs[0].users if _constant(u, tanhs[0]) is not None] if len(tanhs) == 1 else []
+    ends = [u for u in tanhs[0].users if constant_factor(u, tanhs[0]) is not None] if len(tanhs) == 1 else []
     return ends[0] if len(ends) == 1 else None
 
 
@@ -74,7 +58,7 @@ def _scalings(logits: fx.Node) -> list[tuple[fx.Node, fx.Node, float]]:
                 user.op == "call_function" and user.target is operator.getitem
             ):
                 stack.append(user)
-            elif (factor := _constant(user, node)) is not None:
+            elif (factor := constant_factor(user, node)) is not None:
                 end = _soft_cap_end(user)
                 if end is not None:
                     stack.append(end)

@@ -50,6 +50,7 @@ from fx_precision.passes.rewrites.engine.common import (
     PASS_THROUGH,
     EngineRewrite,
     RewriteFn,
+    constant_factor,
     is_call,
     reaches_output,
     record,
@@ -201,25 +202,17 @@ def _engine_ordered_sum(graph: fx.Graph, scaled: fx.Node, weight: fx.Node) -> En
     return record(NORM, made, scaled, f"the norm's sum of squares in the compiled engine's order (over {size} values)")
 
 
-def _constant_factor(node: fx.Node) -> tuple[fx.Node, float] | None:
+def _narrow_times_constant(node: fx.Node) -> tuple[fx.Node, float] | None:
     """(x, c) of a narrow ``x * c`` by a Python number (either order): Granite's multipliers."""
-    if not is_call(node, MUL, "mul") or len(node.args) != 2 or node.kwargs:
-        return None
-    for x, c in ((node.args[0], node.args[1]), (node.args[1], node.args[0])):
-        if isinstance(x, fx.Node) and isinstance(c, (int, float)) and not isinstance(c, bool) and node_dtype(x) in _NARROW:
-            return x, float(c)
+    for x in node.args[:2]:
+        if isinstance(x, fx.Node) and node_dtype(x) in _NARROW and (c := constant_factor(node, x, divides=False)) is not None:
+            return x, c
     return None
 
 
-def _is_embedding(node: fx.Node) -> bool:
-    return is_call(node, torch.nn.functional.embedding, "embedding") or (node.op == "call_module" and "embed" in str(node.target))
-
-
-def _feeds_stream(node: fx.Node, x: fx.Node) -> bool:
-    """``node`` (``x * c``) is a term of the residual stream: an operand of an add of two tensors, widened into a norm,
-    or a scaled embedding leaving the graph (the stream's start, handed to the first layer's FSDP2 unit)."""
-    if _is_embedding(x) and any(u.op == "output" for u in node.users):
-        return True
+def _feeds_stream(node: fx.Node) -> bool:
+    """``node`` is a term of the residual stream: an operand of an add of two tensors, or widened into a norm. (A scaled
+    embedding the root's eager forward hands to the first FSDP2 unit is widened there: training_side's hooks step.)"""
     for user in node.users:
         if _widening_cast(user) and _feeds_mean_of_squares(user):
             return True
@@ -237,8 +230,8 @@ def _scaled_stream_terms(graph: fx.Graph) -> list[EngineRewrite]:
     """
     done = []
     for node in list(graph.nodes):
-        found = _constant_factor(node)
-        if found is None or not _feeds_stream(node, found[0]):
+        found = _narrow_times_constant(node)
+        if found is None or not _feeds_stream(node):
             continue
         x, c = found
 
