@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import difflib
 import fnmatch
-import functools
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
@@ -64,7 +63,7 @@ class _AxisTable:
             value: AxisDtype | None = getattr(rule, axis)
             if value is None:
                 continue
-            decided = (value, _rule_text(rule))
+            decided = (value, rule.text())
             for alias in selected:
                 self.hits[alias] = decided
         self.made: dict[tuple[torch.dtype, str | None], Resolved] = {}
@@ -76,11 +75,6 @@ class _AxisTable:
         if made is None:
             made = self.made[(dtype, rule)] = Resolved(dtype, rule)
         return made
-
-
-@functools.lru_cache(maxsize=1024)
-def _rule_text(rule: Rule) -> str:
-    return rule.text()
 
 
 def selected_aliases(

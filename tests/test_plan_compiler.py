@@ -56,6 +56,15 @@ def test_one_module_override_is_one_unit() -> None:
     assert plan.param("head.weight").gather == F32
 
 
+def test_a_plan_names_each_rule_as_its_own_spec_wrote_it() -> None:
+    """Rules equal but for their text (one built in code, one parsed) each keep their own text in the plan's
+    report, in either order in one process: a rule's text is never looked up by the rule's equality."""
+    built = compile_precision(Net(), PrecisionSpec((Rule(ModuleSel(fqn="embed"), gather=BF16),)), default_gather=F32)
+    parsed = plan_of(Net(), "embed=bf16")
+    assert built.param("embed.weight").gather_rule == "embed=gather:bf16"
+    assert parsed.param("embed.weight").gather_rule == "embed=bf16"
+
+
 def test_class_glob_override_makes_each_matching_module_a_unit() -> None:
     """
     Net [unit] {fp32}
