@@ -1,4 +1,5 @@
-"""oneDNN's GEMV for a 1-wide linear (the ``gemv16`` family, contract/linear_order.py): the kernel is its description.
+"""oneDNN's GEMVs for a 1-wide linear (the ``gemv16`` and ``gemv16-hadd`` families, contract/linear_order.py): each
+kernel is its description.
 
 One register of 16 fp32 lanes from +0; K in blocks of 32, lane j the pair (2j, 2j+1) of each block, its odd product
 added and then its even one, each add rounded and flushed to zero if denormal (denormal inputs count as 0, the
@@ -50,6 +51,45 @@ def test_the_gemv_kernel_is_its_description_on_cancelling_and_tiny_sums(k: int) 
     order = LinearOrder.sequential(k, LinearKernel.GEMV16)
     got = engine_kernels().linear(x, w, None, order.struct())
     assert torch.equal(got.view(torch.int16), _reference(x, w).view(torch.int16))
+
+
+def _hadd_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """The jit GEMV without AVX512-BF16 (``gemv16-hadd``): the same lanes, nothing flushed, the lanes reduced 16 -> 8 and
+    then by horizontal adds, ((u0 + u1) + (u2 + u3)) + ((u4 + u5) + (u6 + u7)), the bias last."""
+    m, k = x.shape
+    padded = -(-k // 32) * 32
+    xs, ws = torch.zeros(m, padded), torch.zeros(padded)
+    xs[:, :k], ws[:k] = x.float(), w.float()[0]
+    lanes = torch.zeros(m, 16)
+    for k0 in range(0, padded, 32):
+        even, odd = k0 + 2 * torch.arange(16), k0 + 2 * torch.arange(16) + 1
+        lanes = lanes + xs[:, odd] * ws[odd]
+        lanes = lanes + xs[:, even] * ws[even]
+    u = lanes[:, :8] + lanes[:, 8:]
+    total = ((u[:, 0] + u[:, 1]) + (u[:, 2] + u[:, 3])) + ((u[:, 4] + u[:, 5]) + (u[:, 6] + u[:, 7]))
+    return (total if bias is None else total + bias[0]).to(torch.bfloat16).unsqueeze(1)
+
+
+@pytest.mark.parametrize("k", [16, 33, 96, 2048, 3000])
+def test_the_jit_gemv_kernel_is_its_description_and_parts_from_the_brgemv(k: int) -> None:
+    """On sums that cancel but for their rounding the two GEMV trees part, and each kernel gives its own."""
+    g = torch.Generator().manual_seed(k)
+    w = torch.randn(1, k, generator=g).to(torch.bfloat16)
+    x = torch.randn(300, k, generator=g).to(torch.bfloat16)
+    perm = torch.randperm(k, generator=g)
+    a, b = perm[: k // 2], perm[k // 2 : 2 * (k // 2)]
+    x[:, b] = (-(x[:, a].float() * w[0, a].float()) / w[0, b].float() * (1 + 1e-3 * torch.randn(300, k // 2, generator=g))).to(
+        torch.bfloat16
+    )
+    for bias in (None, torch.tensor([0.01])):
+        hadd = engine_kernels().linear(x, w, bias, LinearOrder.sequential(k, LinearKernel.GEMV16_HADD).struct())
+        assert torch.equal(hadd.view(torch.int16), _hadd_reference(x, w, bias).view(torch.int16))
+    brgemv = engine_kernels().linear(x, w, None, LinearOrder.sequential(k, LinearKernel.GEMV16).struct())
+    if k >= 96:  # enough lanes for the trees to part somewhere in 300 cancelling rows
+        assert not torch.equal(
+            brgemv.view(torch.int16),
+            engine_kernels().linear(x, w, None, LinearOrder.sequential(k, LinearKernel.GEMV16_HADD).struct()).view(torch.int16),
+        )
 
 
 def test_the_gemv_family_is_one_order_and_refuses_another_lane_count() -> None:

@@ -131,7 +131,7 @@ class LinearOrderStruct(ctypes.Structure):
     ]
 
 
-KERNEL_CODES = {"amx-chunks": 0, "pairs": 1, "lanes": 2, "gemv16": 3}  # FxpLinearOrder.kernel
+KERNEL_CODES = {"amx-chunks": 0, "pairs": 1, "lanes": 2, "gemv16": 3, "gemv16-hadd": 4}  # FxpLinearOrder.kernel
 
 
 def order_struct(kernel: str, bias_first: bool, blocks: tuple[int, ...], parts: tuple[int, ...], lanes: int = 0) -> LinearOrderStruct:
@@ -395,7 +395,7 @@ class EngineKernels:
         return out
 
 
-UNIT = {0: 32, 1: 2, 2: 0, 3: 0}  # K elements per block unit, by kernel code (lanes, gemv16: one block, the whole of K)
+UNIT = {0: 32, 1: 2, 2: 0, 3: 0, 4: 0}  # K elements per block unit, by kernel code (lanes, the GEMVs: one block, the whole of K)
 
 
 def _check_order(order: LinearOrderStruct, K: int, where: str) -> None:
@@ -408,7 +408,7 @@ def _check_order(order: LinearOrderStruct, K: int, where: str) -> None:
     unit = UNIT[order.kernel]
     units = 1 if unit == 0 else (K + unit - 1) // unit
     covered = sum(blocks) == units and sum(parts) == len(blocks) and min(blocks + parts, default=0) >= 1
-    if not covered or (unit and K % 2) or (order.kernel == 2 and order.lanes != 8) or (order.kernel == 3 and order.lanes != 16):
+    if not covered or (unit and K % 2) or (order.kernel == 2 and order.lanes != 8) or (order.kernel in (3, 4) and order.lanes != 16):
         raise PrecisionError(
             f"{where}: order blocks {blocks} parts {parts}: the blocks must cover K = {K}'s {units} unit(s), the parts every block, K "
             "even (AMX and pairs kernels), lanes 8 (the lanes kernel), 16 (the 1-wide GEMV)"

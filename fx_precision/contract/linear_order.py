@@ -25,6 +25,10 @@ each CPU family by ``rollout --isa``):
                 one register of 16 fp32 lanes, lane j the pair (2j, 2j+1) of each 32-element K block (odd product,
                 then even, each add flushed to zero if denormal), lanes reduced 16-8-4 and (t0+t1)+(t2+t3); one
                 order for every row count and thread count (linear_kernels.cpp gemv16_output)
+    gemv16-hadd oneDNN's jit GEMV where the output is 1 wide and the CPU has no AVX512-BF16 (gemm:jit:bf16, AVX-512 without
+                BF16: the same shared-expert gate): the same lanes and pairs, VDPBF16PS emulated by fused multiply-adds
+                (nothing flushed), the lanes reduced 16-8 and then by horizontal adds, ((u0+u1)+(u2+u3)) +
+                ((u4+u5)+(u6+u7)); one order for every row count and thread count (gemv16_hadd_output)
 
     LinearOrder      (kernel, blocks, parts, bias_first, lanes): one order; ``struct()`` is its C form
     LinearCall       (out_features, in_features, rows) -> LinearOrder: what the probe read off the engine
@@ -57,14 +61,17 @@ class LinearKernel(TextEnum):
     PAIRS = "pairs"  # VDPBF16PS over K pairs (odd product, then even) in blocks and parts
     LANES = "lanes"  # torch's AVX2 bf16 dot: 8 accumulators of 8 lanes (one order per K)
     GEMV16 = "gemv16"  # oneDNN's GEMV for a 1-wide output: 16 lanes of VDPBF16PS pairs, a lane tree (one order per K)
+    GEMV16_HADD = "gemv16-hadd"  # its jit GEMV without AVX512-BF16: emulated pairs, a horizontal-add tree (one order per K)
 
     @property
     def unit(self) -> int:
         """K elements per block unit (lanes: the whole of K is one unit)."""
-        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2, LinearKernel.LANES: 0, LinearKernel.GEMV16: 0}[self]
+        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2, LinearKernel.LANES: 0, LinearKernel.GEMV16: 0,
+                LinearKernel.GEMV16_HADD: 0}[self]  # fmt: skip
 
 
-ONE_ORDER = {LinearKernel.LANES: LANES, LinearKernel.GEMV16: GEMV_LANES}  # kernels of one order per K, and their lanes
+ONE_ORDER = {LinearKernel.LANES: LANES, LinearKernel.GEMV16: GEMV_LANES, LinearKernel.GEMV16_HADD: GEMV_LANES}  # one order per K, its lanes
+GEMVS = (LinearKernel.GEMV16, LinearKernel.GEMV16_HADD)  # oneDNN's kernels for a 1-wide output
 
 
 def units_of(kernel: LinearKernel, in_features: int) -> int:
@@ -148,6 +155,9 @@ class LinearOrder:
             return f"torch's bf16 dot ({self.lanes} lanes x 8 accumulators)"
         if self.kernel == LinearKernel.GEMV16:
             return "oneDNN's 1-wide GEMV (16 lanes of VDPBF16PS pairs in 32-element blocks, lanes reduced 16-8-4-2-1)"
+        if self.kernel == LinearKernel.GEMV16_HADD:
+            return ("oneDNN's 1-wide jit GEMV without AVX512-BF16 (16 lanes of emulated VDPBF16PS pairs in 32-element blocks, lanes "
+                    "reduced 16-8, then by horizontal adds)")  # fmt: skip
         what = {LinearKernel.AMX_CHUNKS: "chunks", LinearKernel.PAIRS: "pairs"}[self.kernel]
         head = "AMX" if self.kernel == LinearKernel.AMX_CHUNKS else "VDPBF16PS pairs"
         bias = ", from the bias" if self.bias_first else ""

@@ -46,7 +46,7 @@ from fx_precision.contract.evidence import (
     linear_call_key,
     value_record,
 )
-from fx_precision.contract.linear_order import LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
+from fx_precision.contract.linear_order import GEMVS, LinearCall, LinearKernel, LinearOrder, LinearOrders, candidate_orders
 from fx_precision.contract.ops import engine_attention, rotate, round_to
 from fx_precision.contract.vocabulary import LogprobForm, NormForm, RotaryForm, Rounding
 
@@ -329,17 +329,18 @@ LinearRun = Callable[[torch.Tensor], torch.Tensor]  # the engine's linear on [M,
 
 def linear_families(k: int, threads: int, has_bias: bool, out_features: int = 0) -> tuple[list[LinearOrder], dict[str, str]]:
     """The candidate orders a linear of K inputs is read against, the cheapest family first, and the families not
-    tried on this CPU with why: torch's lanes (one order), oneDNN's 1-wide GEMV (a 1-wide output only), the AMX chunk
+    tried on this CPU with why: torch's lanes (one order), oneDNN's 1-wide GEMVs (a 1-wide output only), the AMX chunk
     orders (only where this CPU runs AMX tiles: an engine here cannot have run them), SGL's small-batch pairs from the
     bias (a linear with a bias: without one it is the plain pairs order), the VDPBF16PS pairs orders."""
     from fx_precision.contract.kernels import engine_kernels
 
     candidates = [LinearOrder.sequential(k, LinearKernel.LANES)]
     not_tried: dict[str, str] = {}
-    if out_features == 1:  # oneDNN's GEMV takes a 1-wide output (its 16-column brgemm every wider one)
-        candidates.append(LinearOrder.sequential(k, LinearKernel.GEMV16))
-    else:
-        not_tried[str(LinearKernel.GEMV16)] = "the GEMV kernel computes 1-wide outputs only"
+    for gemv in GEMVS:
+        if out_features == 1:  # oneDNN's GEMVs take a 1-wide output (its 16-column brgemm every wider one)
+            candidates.append(LinearOrder.sequential(k, gemv))
+        else:
+            not_tried[str(gemv)] = "the GEMV kernel computes 1-wide outputs only"
     if engine_kernels().cpu_has_amx():
         candidates += candidate_orders(k, threads, LinearKernel.AMX_CHUNKS)
     else:

@@ -130,16 +130,22 @@ MOE_FORMS = {CpuFamily.AVX512_BF16: ("fast512", "nearest-even", "fma"), CpuFamil
              CpuFamily.AVX2: ("sleef", "truncate", "mul+add")}  # fmt: skip
 
 
+GATE_KERNELS = {CpuFamily.AVX512_BF16: "gemv16", CpuFamily.AVX512: "gemv16-hadd", CpuFamily.AVX2: "lanes"}  # the 1-wide gate's
+
+
 @pytest.mark.parametrize("family", list(CpuFamily), ids=str)
 def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFamily, tmp_path: Path) -> None:
     """vLLM's fused experts are one source built per family (contract/moe.py: its exp, its bf16 stores, its combine): the
-    probe tells the build apart and the contract is bitwise on each; the AMX experts kernel is refused with replay."""
+    probe tells the build apart and the contract is bitwise on each; the AMX experts kernel is refused with replay. The
+    model is Qwen2-MoE with a shared expert, whose 1-wide gate each family's GEMM library computes its own way (oneDNN's
+    BRGEMV, its jit GEMV with VDPBF16PS emulated, torch's lanes where oneDNN refuses bf16)."""
     _runnable(family)
-    config = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "vocab_size": 1024, "hidden_size": 96,
-              "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1, "head_dim": 32,
+    config = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 1024, "hidden_size": 96,
+              "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
               "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 40, "num_experts": 11,
-              "num_experts_per_tok": 4, "norm_topk_prob": True, "torch_dtype": "bfloat16"}  # fmt: skip
+              "num_experts_per_tok": 4, "norm_topk_prob": True, "shared_expert_intermediate_size": 64,
+              "torch_dtype": "bfloat16"}  # fmt: skip
     (tmp_path / "moe.json").write_text(json.dumps(config))
     checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
     run("checkpoint", "--config", str(tmp_path / "moe.json"), "--layers", "2", "--out", str(checkpoint))
@@ -153,6 +159,8 @@ def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFa
         assert done.returncode == 2 and "--replay-routes" in done.stderr.strip().splitlines()[-1]
         return
     assert (moe["exp"], moe["store"], moe["combine"]) == MOE_FORMS[family], moe
+    gates = {call["order"]["kernel"] for call in load_dump(str(dump)).contract["linears"]["calls"] if call["out_features"] == 1}
+    assert gates == {GATE_KERNELS[family]}, gates
     report = compare(checkpoint, dump, "--contract", "vllm")
     lp = report["logprob"]
     assert lp["bitwise_share"] == 1.0 and lp["tokens"] == 2 * (7 + 90 + 2 * 4), lp
