@@ -15,8 +15,9 @@
         forward   moe_kernels.cpp ``fxp_fused_moe``: per token and slot the gate and up FMA chains over H, SiLU(gate)
                   * up with the build's exp stored to bf16, the down chain over I, and the slots combined in top-k
                   order (y0 * w0, then FMAs or multiply-adds), stored once (nearest even, or truncated)
-        backward  plain fp32 experts math recomputed, its derivatives written out per expert (fused_moe_backward): of x,
-                  w13, w2 and the weights (ops of their own: AOTAutograd traces backwards with fake tensors)
+        backward  the experts recomputed, their derivatives written out per expert (fused_moe_backward): of x, w13, w2
+                  and the weights, the GEMMs in the operands' dtype as the model's own autograd runs them, the rest in
+                  fp32 (ops of their own: AOTAutograd traces backwards with fake tensors)
 
 The training side's routes under the contract are the op's (``route_sink``: routes.RouteTap reads them).
 """
@@ -215,30 +216,32 @@ def _moe_setup(ctx: OpContext, inputs: tuple[Any, ...], output: torch.Tensor) ->
 @torch.library.custom_op("fxp_engine::fused_moe_backward", mutates_args=())
 def fused_moe_backward(grad: torch.Tensor, x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, weights: torch.Tensor,
                        ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:  # fmt: skip
-    """Plain fp32 experts math, its derivatives written out per expert (an op of its own: the routes decide its shapes)."""
+    """The experts' derivatives written out per expert (an op of its own: the routes decide its shapes). The GEMMs run
+    in the operands' dtype, as the model's own autograd runs them (bf16 in training; fp32 operands give fp32 math), the
+    activation's derivative, a token's sum over its experts and the route weights' derivative in fp32."""
     tokens, k = ids.shape
+    dtype = torch.promote_types(x.dtype, torch.promote_types(w13.dtype, w2.dtype))
     g_out = grad.float()
-    gx, g13, g2 = torch.zeros(x.shape), torch.zeros(w13.shape), torch.zeros(w2.shape)
-    gw = torch.zeros(tokens, k)
+    gx, gw = torch.zeros(x.shape), torch.zeros(tokens, k)
+    g13, g2 = torch.zeros_like(w13), torch.zeros_like(w2)
     flat = ids.reshape(-1)
     token_of = torch.arange(tokens).repeat_interleave(k)
     for e in flat.unique().tolist():
         picked = (flat == e).nonzero().squeeze(1)
         rows = token_of[picked]
-        xe, a13, a2 = x[rows].float(), w13[e].float(), w2[e].float()
-        gate, up = (xe @ a13.t()).chunk(2, dim=-1)
+        xe, a13, a2 = x[rows].to(dtype), w13[e].to(dtype), w2[e].to(dtype)
+        gate, up = (xe @ a13.t()).float().chunk(2, dim=-1)
         s = torch.sigmoid(gate)
-        act = gate * s * up
-        y = act @ a2.t()
+        act = (gate * s * up).to(dtype)
         go = g_out[rows]
-        gw.view(-1).index_add_(0, picked, (go * y).sum(-1))
-        dy = go * weights.reshape(-1)[picked].float().unsqueeze(1)
-        g2[e] += dy.t() @ act
-        dact = dy @ a2
-        dh = torch.cat([dact * up * (s + gate * s * (1 - s)), dact * gate * s], dim=-1)
-        g13[e] += dh.t() @ xe
-        gx.index_add_(0, rows, dh @ a13)
-    return gx.to(x.dtype), g13.to(w13.dtype), g2.to(w2.dtype), gw.to(weights.dtype)
+        gw.view(-1).index_add_(0, picked, (go * (act @ a2.t()).float()).sum(-1))
+        dy = (go * weights.reshape(-1)[picked].float().unsqueeze(1)).to(dtype)
+        g2[e] = dy.t() @ act
+        dact = (dy @ a2).float()
+        dh = torch.cat([dact * up * (s + gate * s * (1 - s)), dact * gate * s], dim=-1).to(dtype)
+        g13[e] = dh.t() @ xe
+        gx.index_add_(0, rows, (dh @ a13).float())
+    return gx.to(x.dtype), g13, g2, gw.to(weights.dtype)
 
 
 @fused_moe_backward.register_fake
