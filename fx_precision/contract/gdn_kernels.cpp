@@ -26,6 +26,8 @@
 #include <cstring>
 #include <vector>
 
+#include <immintrin.h>
+
 namespace {
 
 inline float bf2f(uint16_t h) {
@@ -48,9 +50,15 @@ inline float rbf(float f) { return bf2f(f2bf(f)); }
 // libtorch's reduced-precision dot: four partial sums, element l into sum l mod 4 (sequential, each from +0), then
 // ((p0 + p1) + p2) + p3. The kernel's products run over D (a multiple of 32) or a chunk's rows zero-padded to a
 // multiple of 32: the padding adds +0 to sums that are never -0, so n elements grouped by l mod 4 give its bits.
+// The four sums are the four lanes of one SSE register (each lane its own multiply, then its own add: the same
+// roundings in the same order), the tail element by element into its lane.
 inline float dot4(const float* x, const float* y, int64_t n) {
-    float p[4] = {0.0f, 0.0f, 0.0f, 0.0f};
-    for (int64_t l = 0; l < n; ++l) {
+    __m128 acc = _mm_setzero_ps();
+    int64_t l = 0;
+    for (; l + 4 <= n; l += 4) acc = _mm_add_ps(acc, _mm_mul_ps(_mm_loadu_ps(x + l), _mm_loadu_ps(y + l)));
+    float p[4];
+    _mm_storeu_ps(p, acc);
+    for (; l < n; ++l) {
         float prod = x[l] * y[l];
         p[l & 3] = p[l & 3] + prod;
     }
@@ -132,7 +140,7 @@ void chunk_head(const float* qn, const float* kn, const uint16_t* v, const float
     const int64_t C = kChunk;
     std::vector<float> gc(C), dec(C * C), A2(C * C), A3(C * C), x(C), vs(C);
     std::vector<float> kc(C * D), qc(C * D), vc(C * D), bc(C), eg(C);
-    std::vector<float> kb(C * D), vb(C * D), w(C * D), u(C * D), sp(D * D), spT(D * D), v2(C * D), qg(C * D), ku(C * D);
+    std::vector<float> kb(C * D), vb(C * D), w(C * D), u(C * D), sp(D * D), spT(D * D), v2(C * D), v2T(D * C), qg(C * D), ku(C * D);
     std::vector<float> colA(C), colB(C);
     {
         const int64_t h = hv / group;
@@ -227,12 +235,11 @@ void chunk_head(const float* qn, const float* kn, const uint16_t* v, const float
                 float e = expf(glast - gc[t]);
                 for (int64_t d = 0; d < D; ++d) ku[t * D + d] = rbf(kc[t * D + d] * e);
             }
+            for (int64_t vd = 0; vd < D; ++vd)  // v2's columns, each once
+                for (int64_t l = 0; l < mb; ++l) v2T[vd * C + l] = v2[l * D + vd];
             for (int64_t kd = 0; kd < D; ++kd) {
                 for (int64_t l = 0; l < mb; ++l) colB[l] = ku[l * D + kd];
-                for (int64_t vd = 0; vd < D; ++vd) {
-                    for (int64_t l = 0; l < mb; ++l) colA[l] = v2[l * D + vd];
-                    S[kd * D + vd] = S[kd * D + vd] + dot4(colB.data(), colA.data(), mb);
-                }
+                for (int64_t vd = 0; vd < D; ++vd) S[kd * D + vd] = S[kd * D + vd] + dot4(colB.data(), &v2T[vd * C], mb);
             }
             if (state_bf16)
                 for (int64_t i = 0; i < D * D; ++i) S[i] = rbf(S[i]);
