@@ -12,12 +12,13 @@ from typing import Any
 
 def assert_dump_is_vllms_own(dump: Any, checkpoint: Path, workdir: Path, max_tokens: int, seed: int, samples: int,
                              temperature: str) -> None:  # fmt: skip
-    """Each prompt of ``dump`` generated again by ``LLM(model, dtype="bfloat16", seed=seed)`` on the dump's threads."""
+    """Each prompt of ``dump`` generated again by ``LLM(model, dtype="bfloat16", seed=seed)`` on the dump's threads, its
+    positions and its KV cache (a prompt past one chunked-prefill piece included)."""
     prompts = list(dict.fromkeys(tuple(s.tokens[: s.prompt_len]) for s in dump.sequences))
     (workdir / "prompts.json").write_text(json.dumps([list(p) for p in prompts]))
     script = Path(__file__).parent / "direct_generate.py"
     args = [str(checkpoint), str(workdir / "prompts.json"), str(max_tokens), str(seed), str(dump.engine["threads"]), "defaults",
-            str(samples), temperature]  # fmt: skip
+            str(samples), temperature, str(dump.engine["max_model_len"]), str(dump.engine["kv_cache_gib"])]  # fmt: skip
     done = subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, check=True)
     direct = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
     assert len(direct) == len(dump.sequences) == len(prompts) * samples

@@ -1,11 +1,13 @@
 """vLLM's own API on a checkpoint, with nothing of the project in the path: the reference the rollout
 dump is checked against. Prints JSON: per sample, the sampled tokens and every log-prob as float.hex.
 
-    python tests/engine/direct_generate.py CKPT PROMPTS.json MAX_TOKENS SEED THREADS [defaults SAMPLES TEMPERATURE]
+    python tests/engine/direct_generate.py CKPT PROMPTS.json MAX_TOKENS SEED THREADS [defaults SAMPLES TEMPERATURE
+                                           [MAX_MODEL_LEN KV_CACHE_GIB]]
 
 eager (the default): LLM(..., enforce_eager=True, enable_prefix_caching=False), prompt and sampled log-probs.
 defaults: as users launch it, LLM(model, dtype="bfloat16", seed=S) and SamplingParams(n=G, temperature=T,
-max_tokens=L, logprobs=0): sampled log-probs only.
+max_tokens=L, logprobs=0): sampled log-probs only. MAX_MODEL_LEN and KV_CACHE_GIB: the positions and the KV cache the
+engine was started with (the rollout records both; a config's full context does not fit 24 GiB), 2,048 and 1 by default.
 """
 
 import json
@@ -15,8 +17,9 @@ import sys
 checkpoint, prompts_file, max_tokens, seed, threads = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 defaults = len(sys.argv) > 6 and sys.argv[6] == "defaults"
 samples, temperature = (int(sys.argv[7]), float(sys.argv[8])) if defaults else (1, 1.0)
+max_model_len, kv_cache_gib = (int(sys.argv[9]), sys.argv[10]) if len(sys.argv) > 10 else (2048, "1")
 os.environ.update(
-    VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE="1", VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=threads
+    VLLM_ENABLE_V1_MULTIPROCESSING="0", VLLM_CPU_KVCACHE_SPACE=kv_cache_gib, VLLM_CPU_OMP_THREADS_BIND="nobind", OMP_NUM_THREADS=threads
 )
 import torch  # noqa: E402
 
@@ -26,7 +29,7 @@ from vllm.inputs import TokensPrompt  # noqa: E402
 
 prompts = json.load(open(prompts_file))
 eager = {} if defaults else {"enforce_eager": True, "enable_prefix_caching": False}
-llm = LLM(model=checkpoint, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=2048, seed=seed, **eager)
+llm = LLM(model=checkpoint, dtype="bfloat16", skip_tokenizer_init=True, max_model_len=max_model_len, seed=seed, **eager)
 params = SamplingParams(n=samples, max_tokens=max_tokens, prompt_logprobs=None if defaults else 0, logprobs=0, temperature=temperature,
                         detokenize=False)  # fmt: skip
 outputs = llm.generate([TokensPrompt(prompt_token_ids=p) for p in prompts], params, use_tqdm=False)
