@@ -118,6 +118,40 @@ def test_the_kernels_give_the_same_bits_on_any_number_of_threads(kernels: str) -
     assert torch.equal(runs[0].view(torch.int16), runs[1].view(torch.int16))
 
 
+@pytest.mark.skipif(
+    not torch.cpu._is_avx512_bf16_supported(),
+    reason="libtorch runs no bf16 brgemm without AVX-512 BF16 (nor does the engine's AVX-512 build)",
+)
+def test_the_chunk_rule_calls_the_engines_own_brgemm_whose_sums_are_the_documented_ones_without_amx() -> None:
+    """The AVX-512 build's chunk rule calls libtorch's bf16 brgemm, as the engine does (oneDNN's kernel for this CPU: AMX
+    tiles on an AMX CPU). Without AMX it sums as the written-out brgemm (pairs from 0, odd element first, C added last):
+    the same bits with the function unset, on chunks whole and partial."""
+    from fx_precision.contract import gdn
+    from fx_precision.contract.kernels import engine_kernels
+
+    kernels = engine_kernels()
+    assert kernels.torch_brgemm is not None  # libtorch exports it on every x86 build of torch 2.13
+    if torch.cpu._is_amx_tile_supported():
+        pytest.skip("this CPU has AMX: libtorch's brgemm runs tiles here, not the written-out VDPBF16PS sums")
+    g = torch.Generator().manual_seed(5)
+    L, H, Hv, D = 150, 2, 4, 64
+    q, k = torch.randn(L, H, D, generator=g).to(BF16), torch.randn(L, H, D, generator=g).to(BF16)
+    v, beta = torch.randn(L, Hv, D, generator=g).to(BF16), torch.rand(L, Hv, generator=g).to(BF16)
+    decay = -torch.rand(L, Hv, generator=g) * 0.1
+    runs = []
+    try:
+        for call in (kernels.torch_brgemm, (None, None)):
+            kernels.lib.fxp_gdn512_set_brgemm(*call)
+            state = torch.randn(Hv, D, D, generator=torch.Generator().manual_seed(6)) * 0.1
+            runs.append((gdn.chunk512(q, k, v, decay, beta, state, 1e-6), state))
+    finally:
+        kernels.lib.fxp_gdn512_set_brgemm(*kernels.torch_brgemm)
+    (out, state), (written_out, written_state) = runs
+    assert torch.equal(out.view(torch.int16), written_out.view(torch.int16)) and torch.equal(
+        state.view(torch.int32), written_state.view(torch.int32)
+    )
+
+
 def test_the_reference_is_the_models_own_delta_rule() -> None:
     """gdn_reference's rule is transformers' (the training side's) chunked gated delta rule, l2-normalised q / k."""
     mod = pytest.importorskip("transformers.models.qwen3_next.modeling_qwen3_next", reason="transformers with Qwen3-Next")

@@ -21,11 +21,12 @@ The split the engine ran, which tokens each step prefilled and in which pieces, 
 rollout records every step's rows): ``batch_rows`` turns it into a code per row (``GDN_DECODE``, or the first row of
 the piece that prefilled it), which ``fxp_engine.gdn`` reads from the forward's plan, as ``fxp_engine.linear`` reads
 its rows. Followed: the engine's portable kernel build (``_C_AVX2``: every x86 CPU runs it; ``rollout --isa avx2`` runs
-it on an AVX-512 CPU), the arithmetic above (gdn_kernels.cpp); and its AVX-512 build on an AVX-512 BF16 CPU without AMX
-(``_C``, as users launch it there: gdn_avx512_kernels.cpp, the ``*512`` calls): the C++ conv on packed weights for
-prefilled and decoded tokens alike (VDPBF16PS tap pairs, fast_silu), the gating's vector heads in blocks of 32 (exp_u20,
-SLEEF's log, VRCP14PS), the chunk rule's GEMMs in oneDNN's brgemm order, the decode kernel's fused multiply-adds, an fp32
-state. AMX's brgemm tiles and the AVX-512 build without BF16 are refused in one line.
+it on an AVX-512 CPU), the arithmetic above (gdn_kernels.cpp); and its AVX-512 build on an AVX-512 BF16 CPU (``_C``, as
+users launch it there: gdn_avx512_kernels.cpp, the ``*512`` calls): the C++ conv on packed weights for prefilled and
+decoded tokens alike (VDPBF16PS tap pairs, fast_silu), the gating's vector heads in blocks of 32 (exp_u20, SLEEF's log,
+VRCP14PS), the chunk rule's GEMMs through libtorch's own brgemm (the function the engine calls: VDPBF16PS here, AMX tiles
+on an AMX CPU), the decode kernel's fused multiply-adds, an fp32 state. The AVX-512 build without BF16 is refused in one
+line.
 
     GdnForm                 what the probe read: the kernel build, the state cache's dtype, eps (gdn_form.py)
     gdn_forward(x, a, b, plan, GdnLayer)   one layer's core for a batch, piece by piece (the op's forward)

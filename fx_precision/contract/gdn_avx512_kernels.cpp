@@ -1,4 +1,4 @@
-// GatedDeltaNet as vLLM's AVX-512 kernel build (_C: AVX-512 + AVX512-BF16, a CPU without AMX) computes it: the C++
+// GatedDeltaNet as vLLM's AVX-512 kernel build (_C: AVX-512 + AVX512-BF16, with or without AMX) computes it: the C++
 // kernels of csrc/cpu/sgl-kernels (conv.cpp, fla.cpp) as its binary runs them, read off the binary's code and held to it
 // bit for bit (engines/vllm/gdn_probe.py runs both on random inputs at the model's sizes; tests/engine/test_gdn.py).
 //
@@ -10,8 +10,9 @@
 //   fxp_gdn512_decode    fused_sigmoid_gating_delta_rule_update_cpu: q / k l2 factors in 16 fused lanes and GCC's
 //                        reduce tree, the scalar gating, the recurrence with its four fused multiply-adds
 //   fxp_gdn512_chunk     chunk_gated_delta_rule_cpu: chunks of 64; l2 by VDPBF16PS pairs; decay fexp_u20; every
-//                        GEMM oneDNN's avx512_core_bf16 brgemm (pairs from 0, odd element first, C added once at the
-//                        end); solve_tril with fused multiply-adds; VCVTNEPS2BF16 roundings
+//                        GEMM libtorch's at::native::cpublas::brgemm, the engine's own call (oneDNN's avx512_core_bf16
+//                        brgemm here: pairs from 0, odd element first, C added once at the end; AMX tiles on an AMX
+//                        CPU); solve_tril with fused multiply-adds; VCVTNEPS2BF16 roundings
 //
 // The approximations are the engine's own: VRCP14PS is the instruction itself (its table is the CPU's: the training side
 // runs on the engine's CPU family, as the contract's AMX kernels do), SLEEF's log is torch's own function (set by
@@ -82,11 +83,11 @@ inline float dot_pair(float acc, float a0, float a1, float b0, float b1) {
   return acc + a0 * b0;
 }
 
-// oneDNN's avx512_core_bf16 brgemm on bf16 values held as floats: C[m][n] = (add ? C + acc : acc), acc from 0 over
+// oneDNN's avx512_core_bf16 brgemm on bf16 values held as floats, written out (where torch exports no brgemm): C[m][n] = (add ? C + acc : acc), acc from 0 over
 // the K pairs in order (odd element first). B is [K][N] row-major.
 // Each output's pairs are folded in order; the outputs of a row advance together (a vector of them, as the kernel's
 // own registers hold them), which is the same arithmetic per output.
-__attribute__((target("avx512f"))) void brgemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
+__attribute__((target("avx512f"))) void brgemm_emulated(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
                                                 bool add) {
   std::vector<float> acc(N);
   const int whole = N - N % 16;
@@ -105,6 +106,30 @@ __attribute__((target("avx512f"))) void brgemm(int M, int N, int K, const float*
     }
     for (int n = 0; n < N; ++n) C[m * ldc + n] = add ? acc[n] + C[m * ldc + n] : acc[n];
   }
+}
+
+// The engine's GEMMs call libtorch's at::native::cpublas::brgemm (oneDNN's ukernel: VDPBF16PS on an AVX-512 BF16 CPU,
+// AMX tiles on an AMX CPU), set by fxp_gdn512_set_brgemm: the contract calls the same function with the same M, N, K,
+// add_C and operands (A bf16 rows, B packed to VNNI pairs [K/2][N][2]), so its sums are the engine's on either CPU.
+typedef void (*TorchBrgemm)(int64_t, int64_t, int64_t, int64_t, int64_t, int64_t, bool, const uint16_t*, const uint16_t*, float*, bool);
+typedef void (*TorchBrgemmRelease)(bool);
+TorchBrgemm g_torch_brgemm = nullptr;
+TorchBrgemmRelease g_torch_brgemm_release = nullptr;
+
+void brgemm(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc, bool add) {
+  if (g_torch_brgemm == nullptr) {
+    brgemm_emulated(M, N, K, A, lda, B, ldb, C, ldc, add);
+    return;
+  }
+  const int Kp = (K + 1) / 2 * 2;
+  thread_local std::vector<uint16_t> a16, b16;
+  a16.assign(static_cast<size_t>(M) * Kp, 0);
+  b16.assign(static_cast<size_t>(Kp) * N, 0);
+  for (int m = 0; m < M; ++m)  // the operands are bf16 values: their top 16 bits
+    for (int k = 0; k < K; ++k) a16[static_cast<size_t>(m) * Kp + k] = static_cast<uint16_t>(fbits(A[m * lda + k]) >> 16);
+  for (int k = 0; k < K; ++k)
+    for (int n = 0; n < N; ++n) b16[(static_cast<size_t>(k / 2) * N + n) * 2 + (k & 1)] = static_cast<uint16_t>(fbits(B[k * ldb + n]) >> 16);
+  g_torch_brgemm(M, N, Kp, Kp, N, ldc, add, a16.data(), b16.data(), C, true);
 }
 
 float softplus_scalar(float x) { return x > 20.0f ? x : (x < -20.0f ? std::exp(x) : std::log1p(std::exp(x))); }
@@ -163,6 +188,10 @@ __attribute__((target("avx512f"))) void decode_head(float* St, const uint16_t* k
 extern "C" {
 
 void fxp_gdn512_set_log(void* fn) { g_log16 = reinterpret_cast<Log16>(fn); }
+void fxp_gdn512_set_brgemm(void* fn, void* release) {
+  g_torch_brgemm = reinterpret_cast<TorchBrgemm>(fn);
+  g_torch_brgemm_release = reinterpret_cast<TorchBrgemmRelease>(release);
+}
 
 // One piece's conv: x [L, C] bf16 rows after history [3, C] (the request's stored inputs, oldest first; zeros for a new
 // request), w [C, 4] bf16; out [L, C] bf16.
@@ -351,6 +380,7 @@ void fxp_gdn512_chunk(const uint16_t* q, const uint16_t* k, const uint16_t* v, c
       }
       brgemm(static_cast<int>(D), static_cast<int>(D), pad, ku.data(), C, v2.data(), static_cast<int>(D), St, static_cast<int>(D), true);
     }
+    if (g_torch_brgemm_release != nullptr) g_torch_brgemm_release(true);  // as the engine's threads end their heads
   }
 }
 

@@ -13,7 +13,7 @@ if TYPE_CHECKING:
 
 CHUNK = 64  # the chunk kernel's chunk
 PORTABLE = "portable"  # vLLM's _C_AVX2 build: ATen's generic lanes, glibc's libm, no FMA
-AVX512 = "avx512"  # vLLM's _C build on an AVX-512 BF16 CPU without AMX: packed VDPBF16PS conv, exp_u20, VRCP14PS, brgemm
+AVX512 = "avx512"  # vLLM's _C build on an AVX-512 BF16 CPU: packed VDPBF16PS conv, exp_u20, VRCP14PS, libtorch's brgemm
 KERNELS = (PORTABLE, AVX512)
 HEAD_DIMS = (64, 128)  # what the engine's chunk kernel takes (it refuses 32)
 STATE_DTYPES = ("bf16", "fp32")
@@ -39,7 +39,7 @@ class GdnForm:
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
             raise PrecisionError(f"GdnForm.kernels={self.kernels!r}: the contract follows {' and '.join(map(repr, KERNELS))} (vLLM's "
-                                 "_C_AVX2 build, and its _C build on an AVX-512 BF16 CPU without AMX)")  # fmt: skip
+                                 "_C_AVX2 build, and its _C build on an AVX-512 BF16 CPU)")  # fmt: skip
         if self.kernels == AVX512 and self.state != "fp32":
             raise PrecisionError(f"GdnForm.state={self.state!r}: the AVX-512 build's kernels are followed with an fp32 state cache")
         if self.state not in STATE_DTYPES:

@@ -48,8 +48,8 @@ _I64 = ctypes.c_int64
 _INT = ctypes.c_int
 
 
-def _torch_sleef(symbol: str) -> int | None:
-    """The address of torch's own SLEEF function ``symbol`` (in libtorch_cpu: the very function vLLM's kernel builds
+def _torch_symbol(symbol: str) -> int | None:
+    """The address of torch's own function ``symbol`` (in libtorch_cpu: SLEEF's, cpublas': the very functions vLLM's kernel builds
     call), or None where this torch has none (not an x86 build)."""
     library = Path(torch.__file__).parent / "lib" / "libtorch_cpu.so"
     if not library.exists():
@@ -63,12 +63,25 @@ def _torch_sleef(symbol: str) -> int | None:
 
 def _sleef_logf16() -> int | None:
     """``Sleef_logf16_u10`` (SLEEF's 16-lane log, which vLLM's AVX-512 build calls: its GDN gating), on an AVX-512 CPU."""
-    return _torch_sleef("Sleef_logf16_u10") if torch.cpu._is_avx512_supported() else None
+    return _torch_symbol("Sleef_logf16_u10") if torch.cpu._is_avx512_supported() else None
+
+
+BRGEMM_BF16 = "_ZN2at6native7cpublas6brgemmEllllllbPKN3c108BFloat16ES5_Pfb"  # at::native::cpublas::brgemm (bf16 in, fp32 out)
+BRGEMM_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"  # at::native::cpublas::brgemm_release(bool)
+
+
+def _torch_brgemm() -> tuple[int, int] | None:
+    """libtorch's bf16 brgemm and its release (the functions vLLM's AVX-512 GDN kernels call), on an AVX-512 BF16 CPU
+    (elsewhere torch's brgemm does not run bf16): None where this torch exports neither."""
+    if not torch.cpu._is_avx512_bf16_supported():
+        return None
+    call, release = _torch_symbol(BRGEMM_BF16), _torch_symbol(BRGEMM_RELEASE)
+    return (call, release) if call is not None and release is not None else None
 
 
 def _sleef_expf8() -> int | None:
     """``Sleef_expf8_u10`` (SLEEF's 8-lane exp, which vLLM's AVX2 kernel build calls), on an AVX2 CPU."""
-    return _torch_sleef("Sleef_expf8_u10") if torch.cpu._is_avx2_supported() else None
+    return _torch_symbol("Sleef_expf8_u10") if torch.cpu._is_avx2_supported() else None
 
 
 def _cache_dir() -> Path:
@@ -188,6 +201,11 @@ class EngineKernels:
         self.sleef_expf8 = _sleef_expf8()
         if self.sleef_expf8 is not None:
             lib.fxp_set_sleef_expf8(self.sleef_expf8)
+        lib.fxp_gdn512_set_brgemm.argtypes = [_P, _P]
+        lib.fxp_gdn512_set_brgemm.restype = None
+        self.torch_brgemm = _torch_brgemm()
+        if self.torch_brgemm is not None:
+            lib.fxp_gdn512_set_brgemm(*self.torch_brgemm)
         lib.fxp_gdn512_set_log.argtypes = [_P]
         lib.fxp_gdn512_set_log.restype = None
         self.sleef_logf16 = _sleef_logf16()

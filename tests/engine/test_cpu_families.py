@@ -136,9 +136,9 @@ GATE_KERNELS = {CpuFamily.AVX512_BF16: "gemv16", CpuFamily.AVX512: "gemv16-hadd"
 @pytest.mark.parametrize("family", list(CpuFamily), ids=str)
 def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFamily, tmp_path: Path) -> None:
     """vLLM's fused experts are one source built per family (contract/moe.py: its exp, its bf16 stores, its combine): the
-    probe tells the build apart and the contract is bitwise on each; the AMX experts kernel is refused with replay. The
-    model is Qwen2-MoE with a shared expert, whose 1-wide gate each family's GEMM library computes its own way (oneDNN's
-    BRGEMV, its jit GEMV with VDPBF16PS emulated, torch's lanes where oneDNN refuses bf16)."""
+    probe tells the build apart and the contract is bitwise on each; the AMX experts kernel is refused with replay (a
+    Qwen3-MoE there). Elsewhere the model is Qwen2-MoE with a shared expert, whose 1-wide gate each family's GEMM library
+    computes its own way (oneDNN's BRGEMV, its jit GEMV with VDPBF16PS emulated, torch's lanes where oneDNN refuses bf16)."""
     _runnable(family)
     config = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 1024, "hidden_size": 96,
               "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
@@ -146,6 +146,9 @@ def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFa
               "decoder_sparse_step": 1, "mlp_only_layers": [], "moe_intermediate_size": 40, "num_experts": 11,
               "num_experts_per_tok": 4, "norm_topk_prob": True, "shared_expert_intermediate_size": 64,
               "torch_dtype": "bfloat16"}  # fmt: skip
+    if family == CpuFamily.AMX:  # the experts' refusal alone (no 1-wide gate beside it)
+        config.pop("shared_expert_intermediate_size")
+        config.update(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=32)
     (tmp_path / "moe.json").write_text(json.dumps(config))
     checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
     run("checkpoint", "--config", str(tmp_path / "moe.json"), "--layers", "2", "--out", str(checkpoint))

@@ -5,8 +5,9 @@ head counts and dims, its SSM state's dtype and the kernel build this engine loa
                                  config, read off the config before anything starts (None: it can try)
     gdn_layers(model)      the engine's linear-attention layers (QwenGatedDeltaNetAttention: Qwen3-Next, Qwen3.5)
     probe_gdn(model, kernels, gen) -> (GdnForm | None, evidence, engine record)
-        the build          the portable one (_C_AVX2, conv by torch), or the AVX-512 one (_C on an AVX-512 BF16 CPU without
-                           AMX: packed C++ conv, fp32 state); another is refused, said why
+        the build          the portable one (_C_AVX2, conv by torch), or the AVX-512 one (_C on an AVX-512 BF16 CPU: packed
+                           C++ conv, fp32 state, its GEMMs libtorch's brgemm, on AMX tiles where the CPU has them); another
+                           is refused, said why
         the kernels        prefill gating, the chunk rule (pieces of 1, 33, 64, 130 tokens, with and without a state, more
                            than one request in a call), the decode kernel (three rows), the conv's decode update and its
                            prefill (vLLM's torch fallback, or its C++ kernels on packed weights), each against the
@@ -28,7 +29,7 @@ if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
-AVX512_BUILD = "(_C)"  # the AVX-512 + AVX512-BF16 library (its GDN ops: 16 lanes, exp_u20, VRCP14PS, oneDNN brgemm)
+AVX512_BUILD = "(_C)"  # the AVX-512 + AVX512-BF16 library (its GDN ops: 16 lanes, exp_u20, VRCP14PS, libtorch's brgemm)
 EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant
 
 
@@ -115,9 +116,8 @@ def _build_followed(kernels: str, state_dtype: torch.dtype | None) -> str:
                     "contract does not follow: roll out at --isa auto (the AVX-512 build, followed) or --isa avx2")  # fmt: skip
         return PORTABLE
     if AVX512_BUILD in kernels and avx512_bf16:
-        if torch.cpu._is_amx_tile_supported():
-            return (f"the engine's {kernels} GatedDeltaNet kernels run oneDNN's brgemm on AMX tiles on this CPU, which the contract "
-                    f"does not follow yet; rollout --isa avx2 runs its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
+        # an AMX CPU runs the same build; its GEMMs are libtorch's brgemm on AMX tiles there, which the contract calls too
+        # (gdn_avx512_kernels.cpp), and the probe holds it to the engine's ops on that CPU
         if state_dtype != torch.float32:
             return (f"the engine's {kernels} GatedDeltaNet kernels with a {state_dtype} SSM state cache: followed with an fp32 "
                     "one; launch the engine with its default fp32 mamba_ssm_cache_dtype, or --isa avx2")  # fmt: skip
