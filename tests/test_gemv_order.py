@@ -23,18 +23,25 @@ def _ftz(v: torch.Tensor) -> torch.Tensor:
     return torch.where(v.abs() < TINY, torch.zeros_like(v) * v.sign(), v)
 
 
-def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [M, K], w [1, K] bf16 -> [M, 1] bf16, one fp32 add at a time (module docstring)."""
+def _lanes(x: torch.Tensor, w: torch.Tensor, flush: bool) -> torch.Tensor:
+    """The 16 lanes both GEMVs fold, [M, 16]: lane j the pair (2j, 2j+1) of each 32-element block, odd product then even,
+    each add flushed to zero if denormal where ``flush`` (the hardware VDPBF16PS; the emulated one flushes nothing)."""
+    f = _ftz if flush else (lambda v: v)
     m, k = x.shape
     padded = -(-k // 32) * 32
-    xs = torch.zeros(m, padded)
-    ws = torch.zeros(padded)
-    xs[:, :k], ws[:k] = _ftz(x.float()), _ftz(w.float()[0])
+    xs, ws = torch.zeros(m, padded), torch.zeros(padded)
+    xs[:, :k], ws[:k] = f(x.float()), f(w.float()[0])
     lanes = torch.zeros(m, 16)
     for k0 in range(0, padded, 32):
         even, odd = k0 + 2 * torch.arange(16), k0 + 2 * torch.arange(16) + 1
-        lanes = _ftz(lanes + xs[:, odd] * ws[odd])
-        lanes = _ftz(lanes + xs[:, even] * ws[even])
+        lanes = f(lanes + xs[:, odd] * ws[odd])
+        lanes = f(lanes + xs[:, even] * ws[even])
+    return lanes
+
+
+def _reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x [M, K], w [1, K] bf16 -> [M, 1] bf16, one fp32 add at a time (module docstring)."""
+    lanes = _lanes(x, w, flush=True)
     u = lanes[:, :8] + lanes[:, 8:]
     t = u[:, :4] + u[:, 4:]
     total = (t[:, 0] + t[:, 1]) + (t[:, 2] + t[:, 3])
@@ -56,15 +63,7 @@ def test_the_gemv_kernel_is_its_description_on_cancelling_and_tiny_sums(k: int) 
 def _hadd_reference(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     """The jit GEMV without AVX512-BF16 (``gemv16-hadd``): the same lanes, nothing flushed, the lanes reduced 16 -> 8 and
     then by horizontal adds, ((u0 + u1) + (u2 + u3)) + ((u4 + u5) + (u6 + u7)), the bias last."""
-    m, k = x.shape
-    padded = -(-k // 32) * 32
-    xs, ws = torch.zeros(m, padded), torch.zeros(padded)
-    xs[:, :k], ws[:k] = x.float(), w.float()[0]
-    lanes = torch.zeros(m, 16)
-    for k0 in range(0, padded, 32):
-        even, odd = k0 + 2 * torch.arange(16), k0 + 2 * torch.arange(16) + 1
-        lanes = lanes + xs[:, odd] * ws[odd]
-        lanes = lanes + xs[:, even] * ws[even]
+    lanes = _lanes(x, w, flush=False)
     u = lanes[:, :8] + lanes[:, 8:]
     total = ((u[:, 0] + u[:, 1]) + (u[:, 2] + u[:, 3])) + ((u[:, 4] + u[:, 5]) + (u[:, 6] + u[:, 7]))
     return (total if bias is None else total + bias[0]).to(torch.bfloat16).unsqueeze(1)
@@ -81,15 +80,13 @@ def test_the_jit_gemv_kernel_is_its_description_and_parts_from_the_brgemv(k: int
     x[:, b] = (-(x[:, a].float() * w[0, a].float()) / w[0, b].float() * (1 + 1e-3 * torch.randn(300, k // 2, generator=g))).to(
         torch.bfloat16
     )
+    hadd = {}
     for bias in (None, torch.tensor([0.01])):
-        hadd = engine_kernels().linear(x, w, bias, LinearOrder.sequential(k, LinearKernel.GEMV16_HADD).struct())
-        assert torch.equal(hadd.view(torch.int16), _hadd_reference(x, w, bias).view(torch.int16))
+        hadd[bias is None] = engine_kernels().linear(x, w, bias, LinearOrder.sequential(k, LinearKernel.GEMV16_HADD).struct())
+        assert torch.equal(hadd[bias is None].view(torch.int16), _hadd_reference(x, w, bias).view(torch.int16))
     brgemv = engine_kernels().linear(x, w, None, LinearOrder.sequential(k, LinearKernel.GEMV16).struct())
     if k >= 96:  # enough lanes for the trees to part somewhere in 300 cancelling rows
-        assert not torch.equal(
-            brgemv.view(torch.int16),
-            engine_kernels().linear(x, w, None, LinearOrder.sequential(k, LinearKernel.GEMV16_HADD).struct()).view(torch.int16),
-        )
+        assert not torch.equal(brgemv.view(torch.int16), hadd[True].view(torch.int16))
 
 
 def test_the_gemv_family_is_one_order_and_refuses_another_lane_count() -> None:

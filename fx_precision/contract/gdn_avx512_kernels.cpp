@@ -83,12 +83,13 @@ inline float dot_pair(float acc, float a0, float a1, float b0, float b1) {
   return acc + a0 * b0;
 }
 
-// oneDNN's avx512_core_bf16 brgemm on bf16 values held as floats, written out (where torch exports no brgemm): C[m][n] = (add ? C + acc : acc), acc from 0 over
-// the K pairs in order (odd element first). B is [K][N] row-major.
+// oneDNN's avx512_core_bf16 brgemm on bf16 values held as floats, written out (where torch exports no brgemm; the test
+// of the chunk rule holds torch's to it): C[m][n] = (add ? C + acc : acc), acc from 0 over the K pairs in order (odd
+// element first). B is [K][N] row-major.
 // Each output's pairs are folded in order; the outputs of a row advance together (a vector of them, as the kernel's
 // own registers hold them), which is the same arithmetic per output.
-__attribute__((target("avx512f"))) void brgemm_emulated(int M, int N, int K, const float* A, int lda, const float* B, int ldb, float* C, int ldc,
-                                                bool add) {
+__attribute__((target("avx512f"))) void brgemm_emulated(int M, int N, int K, const float* A, int lda, const float* B, int ldb,
+                                                         float* C, int ldc, bool add) {
   std::vector<float> acc(N);
   const int whole = N - N % 16;
   for (int m = 0; m < M; ++m) {

@@ -72,7 +72,7 @@ BRGEMM_RELEASE = "_ZN2at6native7cpublas14brgemm_releaseEb"  # at::native::cpubla
 
 def _torch_brgemm() -> tuple[int, int] | None:
     """libtorch's bf16 brgemm and its release (the functions vLLM's AVX-512 GDN kernels call), on an AVX-512 BF16 CPU
-    (elsewhere torch's brgemm does not run bf16): None where this torch exports neither."""
+    (elsewhere torch's brgemm does not run bf16): None where this torch lacks either."""
     if not torch.cpu._is_avx512_bf16_supported():
         return None
     call, release = _torch_symbol(BRGEMM_BF16), _torch_symbol(BRGEMM_RELEASE)
@@ -414,6 +414,7 @@ class EngineKernels:
 
 
 UNIT = {0: 32, 1: 2, 2: 0, 3: 0, 4: 0}  # K elements per block unit, by kernel code (lanes, the GEMVs: one block, the whole of K)
+GEMV_CODES = (KERNEL_CODES["gemv16"], KERNEL_CODES["gemv16-hadd"])  # oneDNN's 1-wide GEMVs: 16 lanes
 
 
 def _check_order(order: LinearOrderStruct, K: int, where: str) -> None:
@@ -426,10 +427,10 @@ def _check_order(order: LinearOrderStruct, K: int, where: str) -> None:
     unit = UNIT[order.kernel]
     units = 1 if unit == 0 else (K + unit - 1) // unit
     covered = sum(blocks) == units and sum(parts) == len(blocks) and min(blocks + parts, default=0) >= 1
-    if not covered or (unit and K % 2) or (order.kernel == 2 and order.lanes != 8) or (order.kernel in (3, 4) and order.lanes != 16):
+    if not covered or (unit and K % 2) or (order.kernel == 2 and order.lanes != 8) or (order.kernel in GEMV_CODES and order.lanes != 16):
         raise PrecisionError(
             f"{where}: order blocks {blocks} parts {parts}: the blocks must cover K = {K}'s {units} unit(s), the parts every block, K "
-            "even (AMX and pairs kernels), lanes 8 (the lanes kernel), 16 (the 1-wide GEMV)"
+            "even (AMX and pairs kernels), lanes 8 (the lanes kernel), 16 (the 1-wide GEMVs)"
         )
 
 

@@ -65,9 +65,8 @@ class LinearKernel(TextEnum):
 
     @property
     def unit(self) -> int:
-        """K elements per block unit (lanes: the whole of K is one unit)."""
-        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2, LinearKernel.LANES: 0, LinearKernel.GEMV16: 0,
-                LinearKernel.GEMV16_HADD: 0}[self]  # fmt: skip
+        """K elements per block unit (0 for the kernels of one order per K, lanes and the GEMVs: K is one unit)."""
+        return {LinearKernel.AMX_CHUNKS: CHUNK, LinearKernel.PAIRS: 2}.get(self, 0)
 
 
 ONE_ORDER = {LinearKernel.LANES: LANES, LinearKernel.GEMV16: GEMV_LANES, LinearKernel.GEMV16_HADD: GEMV_LANES}  # one order per K, its lanes

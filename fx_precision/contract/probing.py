@@ -336,11 +336,10 @@ def linear_families(k: int, threads: int, has_bias: bool, out_features: int = 0)
 
     candidates = [LinearOrder.sequential(k, LinearKernel.LANES)]
     not_tried: dict[str, str] = {}
-    for gemv in GEMVS:
-        if out_features == 1:  # oneDNN's GEMVs take a 1-wide output (its 16-column brgemm every wider one)
-            candidates.append(LinearOrder.sequential(k, gemv))
-        else:
-            not_tried[str(gemv)] = "the GEMV kernel computes 1-wide outputs only"
+    if out_features == 1:  # oneDNN's GEMVs take a 1-wide output (its 16-column brgemm every wider one)
+        candidates += [LinearOrder.sequential(k, gemv) for gemv in GEMVS]
+    else:
+        not_tried.update({str(gemv): "the GEMV kernel computes 1-wide outputs only" for gemv in GEMVS})
     if engine_kernels().cpu_has_amx():
         candidates += candidate_orders(k, threads, LinearKernel.AMX_CHUNKS)
     else:
