@@ -98,7 +98,31 @@ def test_the_avx512_builds_kernels_stay_the_delta_rule_at_every_split(H: int, Hv
         gdn_forward(x, a, b, _plan(("prefill", T)), GdnLayer(weight, A_log, dt_bias, H, True, 1e-5, "avx512"))
 
 
-@pytest.mark.parametrize("kernels", ["portable", "avx512"])
+def test_the_avx512_builds_generic_code_parts_from_the_portable_one_in_its_decode_only() -> None:
+    """vLLM's _C_AVX512 runs the portable build's generic GDN code compiled with the decode recurrence's multiply-adds
+    fused (``portable-fma``): its prefilled pieces give the portable bits (the other fused products are two bf16 values,
+    exact in fp32), its decoded rows other bits, still the delta rule's values (within bf16 rounding of the portable)."""
+    from fx_precision.contract.gdn import decode_rule, gating
+
+    x, weight, a, b, A_log, dt_bias = _layer_inputs(90, 2, 4, 64, 4, seed=13)
+    plan = _plan(("prefill", 70), ("decode", 20))
+    portable, fused = (gdn_forward(x, a, b, plan, GdnLayer(weight, A_log, dt_bias, 2, False, 1e-5, kernels))
+                       for kernels in ("portable", "portable-fma"))  # fmt: skip
+    assert torch.equal(portable[:, :70].view(torch.int16), fused[:, :70].view(torch.int16))
+    torch.testing.assert_close(fused[:, 70:].float(), portable[:, 70:].float(), rtol=0.02, atol=0.02)
+    gen = torch.Generator().manual_seed(3)  # three decoded tokens, each its fp32 state: the fused sums show in the state
+    q, k, v = (torch.randn(3, h, 64, generator=gen).to(BF16) for h in (2, 2, 4))
+    g, beta = gating((torch.randn(3, 4, generator=gen) * 2).to(BF16), torch.randn(3, 4, generator=gen).to(BF16), A_log, dt_bias,
+                     decode=True)  # fmt: skip
+    start = torch.randn(3, 4, 64, 64, generator=gen) * 0.3
+    states = {kernels: start.clone() for kernels in ("portable", "portable-fma")}
+    outs = {kernels: decode_rule(q, k, v, g, beta, state, False, 1e-5, kernels) for kernels, state in states.items()}
+    assert not torch.equal(states["portable"], states["portable-fma"])
+    torch.testing.assert_close(states["portable-fma"], states["portable"], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(outs["portable-fma"].float(), outs["portable"].float(), rtol=0.02, atol=0.02)
+
+
+@pytest.mark.parametrize("kernels", ["portable", "portable-fma", "avx512"])
 def test_the_kernels_give_the_same_bits_on_any_number_of_threads(kernels: str) -> None:
     """The kernels split a layer's value heads (and the conv's outputs) over torch's threads, each head its own
     arithmetic: a trainer on 1 thread and one on 2 get the engine's bits alike (the engine's threads are its own)."""

@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 
+from fx_precision.contract.gdn_form import KERNELS
 from fx_precision.engines import engine_adapter
 from fx_precision.engines.vllm.gdn_probe import gdn_config_refusal
 
@@ -73,7 +74,9 @@ def test_onpolicy_refuses_a_bad_gdn_checkpoint_before_anything_starts(tmp_path: 
         ("AVX512+BF16 (_C)", True, False, torch.float32, "avx512"),  # Zen 4 / Zen 5 at the defaults
         ("AVX512+BF16 (_C)", True, True, torch.float32, "avx512"),  # Sapphire Rapids: the same build, torch's brgemm on AMX tiles
         ("AVX512+BF16 (_C)", True, False, torch.bfloat16, r"bfloat16 SSM state cache: followed with an fp32 one"),
-        ("AVX512 (_C_AVX512)", False, False, torch.float32, r"_C_AVX512\) kernels, whose GatedDeltaNet ops .* not follow"),
+        ("AVX512 (_C_AVX512)", False, False, torch.float32, "portable-fma"),  # Skylake-SP to Ice Lake (or --isa avx512)
+        ("AVX512 (_C_AVX512)", False, False, torch.bfloat16, "portable-fma"),  # its state cache in either dtype
+        ("AVX512 (_C_AVX512)", True, False, torch.float32, r"AVX512-BF16 on, a pairing vLLM never loads"),
         ("AVX2 (_C_AVX2)", True, False, torch.float32, r"C\+\+ conv kernels on this CPU \(AVX-512 BF16\) with its _C_AVX2"),
     ],
 )
@@ -88,7 +91,7 @@ def test_the_gdn_build_followed_is_the_one_the_engine_loaded_on_this_cpu(
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx)
     got = _build_followed(kernels, state)
-    if followed in ("portable", "avx512"):
+    if followed in KERNELS:
         assert got == followed
     else:
-        assert got not in ("portable", "avx512") and re.search(followed, got), got
+        assert got not in KERNELS and re.search(followed, got), got

@@ -2,7 +2,7 @@
 training graph.
 
 What one linear-attention layer of the engine does with a step's tokens (vLLM 0.32's CPU path, read off its source and
-held to its binary: tests/engine/test_gdn_kernels.py)::
+held to its binary: tests/engine/test_gdn.py)::
 
     the conv's input x [T, C] (q | k | v channels), a, b [T, Hv] (bf16, from the projections)
     ├── prefilled tokens, per request piece (a prompt, a chunk of one, a first chunk of one token)
@@ -21,12 +21,13 @@ The split the engine ran, which tokens each step prefilled and in which pieces, 
 rollout records every step's rows): ``batch_rows`` turns it into a code per row (``GDN_DECODE``, or the first row of
 the piece that prefilled it), which ``fxp_engine.gdn`` reads from the forward's plan, as ``fxp_engine.linear`` reads
 its rows. Followed: the engine's portable kernel build (``_C_AVX2``: every x86 CPU runs it; ``rollout --isa avx2`` runs
-it on an AVX-512 CPU), the arithmetic above (gdn_kernels.cpp); and its AVX-512 build on an AVX-512 BF16 CPU (``_C``, as
+it on an AVX-512 CPU), the arithmetic above (gdn_kernels.cpp); its AVX-512 build without BF16 (``_C_AVX512``, what an
+AVX-512 CPU without AVX512-BF16 loads; ``rollout --isa avx512``): the same generic code, the decode recurrence's three
+multiply-adds fused by the compiler (``PORTABLE_FMA``); and its AVX-512 build on an AVX-512 BF16 CPU (``_C``, as
 users launch it there: gdn_avx512_kernels.cpp, the ``*512`` calls): the C++ conv on packed weights for prefilled and
 decoded tokens alike (VDPBF16PS tap pairs, fast_silu), the gating's vector heads in blocks of 32 (exp_u20, SLEEF's log,
 VRCP14PS), the chunk rule's GEMMs through libtorch's own brgemm (the function the engine calls: VDPBF16PS here, AMX tiles
-on an AMX CPU), the decode kernel's fused multiply-adds, an fp32 state. The AVX-512 build without BF16 is refused in one
-line.
+on an AMX CPU), the decode kernel's fused multiply-adds, an fp32 state.
 
     GdnForm                 what the probe read: the kernel build, the state cache's dtype, eps (gdn_form.py)
     gdn_forward(x, a, b, plan, GdnLayer)   one layer's core for a batch, piece by piece (the op's forward)
@@ -47,7 +48,7 @@ import torch
 import torch.nn.functional as F
 
 from fx_precision.contract.batch_rows import GDN_DECODE, GDN_NONE, active_forward
-from fx_precision.contract.gdn_form import AVX512, CHUNK, HEAD_DIMS, PORTABLE, GdnForm
+from fx_precision.contract.gdn_form import AVX512, CHUNK, HEAD_DIMS, PORTABLE, PORTABLE_FMA, GdnForm
 from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.op_context import OpContext
 from fx_precision.contract.ops.forward_state import declare_forward_state
@@ -70,9 +71,9 @@ def _lib() -> Any:
     i, f = ctypes.c_int, ctypes.c_float
     lib.fxp_gdn_gating.argtypes = [_P, _P, _P, _P, _I64, _I64, i, _P, _P]
     lib.fxp_gdn_chunk.argtypes = [_P, _P, _P, _P, _P, _P, i, _P, _I64, _I64, _I64, _I64, f]
-    lib.fxp_gdn_decode.argtypes = [_P, _P, _P, _P, _P, _P, i, _P, _I64, _I64, _I64, _I64, f]
+    lib.fxp_gdn_decode.argtypes = [_P, _P, _P, _P, _P, _P, i, i, _P, _I64, _I64, _I64, _I64, f]
     lib.fxp_gdn_conv_decode.argtypes = [_P, _P, _P, _I64, _I64, _P]
-    lib.fxp_gdn_decode_run.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, i, _P, _I64, _I64, _I64, _I64, _I64, _I64, f]
+    lib.fxp_gdn_decode_run.argtypes = [_P, _P, _P, _P, _P, _P, _P, _P, i, i, _P, _I64, _I64, _I64, _I64, _I64, _I64, f]
     lib.fxp_gdn512_conv.argtypes = [_P, _P, _P, _I64, _I64, _P]
     lib.fxp_gdn512_gating.argtypes = [_P, _P, _P, _P, _I64, _I64, _P, _P]
     lib.fxp_gdn512_decode.argtypes = [_P] * 8 + [_I64] * 4 + [_P]
@@ -180,16 +181,18 @@ def chunk_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
 
 
 def decode_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor, state: torch.Tensor,
-                state_bf16: bool, eps: float) -> torch.Tensor:  # fmt: skip
+                state_bf16: bool, eps: float, kernels: str = PORTABLE) -> torch.Tensor:  # fmt: skip
     """B decoded tokens ([B, H, D] q / k, [B, Hv, D] v, [B, Hv] g / beta), each with its own state ([B, Hv, D, D] fp32,
-    updated in place), through the decode kernel's recurrence. Returns [B, Hv, D] bf16."""
+    updated in place), through the decode kernel's recurrence as the ``kernels`` build computes it (``PORTABLE_FMA``: its
+    multiply-adds fused). Returns [B, Hv, D] bf16."""
     q16, k16, v16, g32, b16 = _bf16(q), _bf16(k), _bf16(v), _f32(g), _bf16(beta)
     B, H, D = q16.shape
     Hv = v16.shape[1]
     if state.dtype != torch.float32 or not state.is_contiguous() or tuple(state.shape) != (B, Hv, D, D):
         raise PrecisionError(f"gdn decode: the state must be [B, Hv, D, D] = {(B, Hv, D, D)} fp32 contiguous, got {tuple(state.shape)}")
     out = torch.empty(B, Hv, D, dtype=torch.bfloat16)
-    _lib().fxp_gdn_decode(_ptr(q16), _ptr(k16), _ptr(v16), _ptr(g32), _ptr(b16), _ptr(state), int(state_bf16), _ptr(out), B, H, Hv, D, eps)
+    _lib().fxp_gdn_decode(_ptr(q16), _ptr(k16), _ptr(v16), _ptr(g32), _ptr(b16), _ptr(state), int(state_bf16), int(kernels == PORTABLE_FMA),
+                          _ptr(out), B, H, Hv, D, eps)  # fmt: skip
     return out
 
 
@@ -311,7 +314,8 @@ def gdn_forward(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, plan: torch.T
                 ar, br = a16[row, start:end].contiguous(), b16[row, start:end].contiguous()
                 got = torch.empty(end - start, Hv, D, dtype=torch.bfloat16)
                 _lib().fxp_gdn_decode_run(_ptr(run), _ptr(conv_state), _ptr(w), _ptr(ar), _ptr(br), _ptr(A), _ptr(dt), _ptr(state),
-                                          int(state_bf16), _ptr(got), end - start, C, K, key_heads, Hv, D, eps)  # fmt: skip
+                                          int(state_bf16), int(layer.kernels == PORTABLE_FMA), _ptr(got), end - start, C, K, key_heads,
+                                          Hv, D, eps)  # fmt: skip
                 out[row, start:end] = got
     return out
 

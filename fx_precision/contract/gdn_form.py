@@ -13,8 +13,9 @@ if TYPE_CHECKING:
 
 CHUNK = 64  # the chunk kernel's chunk
 PORTABLE = "portable"  # vLLM's _C_AVX2 build: ATen's generic lanes, glibc's libm, no FMA
+PORTABLE_FMA = "portable-fma"  # vLLM's _C_AVX512 build: the same generic lanes, the decode recurrence's multiply-adds fused
 AVX512 = "avx512"  # vLLM's _C build on an AVX-512 BF16 CPU: packed VDPBF16PS conv, exp_u20, VRCP14PS, libtorch's brgemm
-KERNELS = (PORTABLE, AVX512)
+KERNELS = (PORTABLE, PORTABLE_FMA, AVX512)
 HEAD_DIMS = (64, 128)  # what the engine's chunk kernel takes (it refuses 32)
 STATE_DTYPES = ("bf16", "fp32")
 
@@ -29,8 +30,8 @@ def gdn_layer_count(config: PretrainedConfig) -> int:
 
 @dataclass(frozen=True)
 class GdnForm:
-    """How the engine computes its GatedDeltaNet layers: the kernel build (``PORTABLE``, ``AVX512``), the SSM state cache's dtype
-    (bf16: rounded after every chunk and decoded token; fp32), and the l2-norm's eps."""
+    """How the engine computes its GatedDeltaNet layers: the kernel build (``PORTABLE``, ``PORTABLE_FMA``, ``AVX512``), the SSM
+    state cache's dtype (bf16: rounded after every chunk and decoded token; fp32), and the l2-norm's eps."""
 
     kernels: str = PORTABLE
     state: str = "bf16"
@@ -38,8 +39,8 @@ class GdnForm:
 
     def __post_init__(self) -> None:
         if self.kernels not in KERNELS:
-            raise PrecisionError(f"GdnForm.kernels={self.kernels!r}: the contract follows {' and '.join(map(repr, KERNELS))} (vLLM's "
-                                 "_C_AVX2 build, and its _C build on an AVX-512 BF16 CPU)")  # fmt: skip
+            raise PrecisionError(f"GdnForm.kernels={self.kernels!r}: the contract follows {', '.join(map(repr, KERNELS))} (vLLM's "
+                                 "_C_AVX2 build, its _C_AVX512 build, and its _C build on an AVX-512 BF16 CPU)")  # fmt: skip
         if self.kernels == AVX512 and self.state != "fp32":
             raise PrecisionError(f"GdnForm.state={self.state!r}: the AVX-512 build's kernels are followed with an fp32 state cache")
         if self.state not in STATE_DTYPES:

@@ -2,7 +2,7 @@
 // portable kernel build computes them (the `_C_AVX2` build: ATen's generic `Vectorized`, lane by lane, glibc's
 // expf / logf / log1pf / sqrtf, every multiply and add rounded apart, no FMA; its matrix products through libtorch's
 // reduced-precision dot: four partial sums by index mod 4, then ((p0 + p1) + p2) + p3). Read off the shipped binary
-// and held to it bit for bit (tests/engine/test_gdn_kernels.py); docs/engine-contract.md, "GatedDeltaNet", draws it.
+// and held to it bit for bit (tests/engine/test_gdn.py); docs/engine-contract.md, "GatedDeltaNet", draws it.
 //
 //   fxp_gdn_gating(a, b, A_log, dt_bias, T, Hv, decode, g, beta)
 //       prefill (fused_gdn_gating_cpu): heads in blocks of 16 ("vector": softplus with logf(expf(x) + 1), beta
@@ -12,9 +12,13 @@
 //       chunk_gated_delta_rule_cpu on one request's prefilled tokens: q / k l2-normalised (q scaled) to bf16, chunks
 //       of 64 from the request's first token, the WY form in bf16 matrices with fp32 sums, the state carried in
 //       fp32 (its bf16 rounding used in products) and, for a bf16 state cache, rounded after every chunk
-//   fxp_gdn_decode(q, k, v, g, beta, state, state_bf16, out, B, H, Hv, D, eps)
+//   fxp_gdn_decode(q, k, v, g, beta, state, state_bf16, fused, out, B, H, Hv, D, eps)
 //       fused_sigmoid_gating_delta_rule_update_cpu's recurrence for one decoded token per row (q / k normalised in
-//       fp32, never rounded), the state rounded per element for a bf16 state cache
+//       fp32, never rounded), the state rounded per element for a bf16 state cache; `fused`: as the `_C_AVX512` build
+//       computes it, the same generic lanes compiled for AVX-512, where GCC fused three multiply-adds of the
+//       recurrence (kv_mem += (S g) k; S' = (S g) + k dt; o += (S' q) scale) into one rounding each. Its other
+//       contractions (the l2 sums' u * u, the triangular solve's products) multiply two bf16 values, exact in fp32,
+//       and change no bit, so the chunk rule, the gating and the conv are the portable build's
 //   fxp_gdn_conv_decode(x, conv_state, weight, C, K, out)
 //       causal_conv1d_update_cpu_vec: one token's depthwise conv from the K - 1 stored inputs, silu in fp32, one bf16
 //       store; the state shifted by one and the token appended
@@ -46,6 +50,15 @@ inline uint16_t f2bf(float f) {  // round to nearest even, as c10::BFloat16(floa
 }
 
 inline float rbf(float f) { return bf2f(f2bf(f)); }
+
+// a * b + c: rounded twice (the portable build), or once where the compiler fused the two (kFused: vLLM's _C_AVX512
+// build, its generic lanes compiled for AVX-512 with GCC's default -ffp-contract=fast)
+template <bool kFused>
+inline float madd(float a, float b, float c) {
+    if constexpr (kFused) return std::fma(a, b, c);
+    float prod = a * b;
+    return c + prod;
+}
 
 // libtorch's reduced-precision dot: four partial sums, element l into sum l mod 4 (sequential, each from +0), then
 // ((p0 + p1) + p2) + p3. The kernel's products run over D (a multiple of 32) or a chunk's rows zero-padded to a
@@ -248,6 +261,57 @@ void chunk_head(const float* qn, const float* kn, const uint16_t* v, const float
     }
 }
 
+template <bool kFused>
+void decode_rows(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* g, const uint16_t* beta, float* state,
+                    int state_bf16, uint16_t* out, int64_t B, int64_t H, int64_t Hv, int64_t D, float eps) {
+    const int64_t group = Hv / H;
+    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
+    // Heads apart (each thread whole heads); within a head every output vd folds di in order, the outputs advancing
+    // together over the state's rows: the kernel's arithmetic per output, whatever the threads.
+#pragma omp parallel for collapse(2) schedule(static)
+    for (int64_t bi = 0; bi < B; ++bi) {
+        for (int64_t n = 0; n < Hv; ++n) {
+            std::vector<float> qv(D), kv(D), acc(D, 0.0f), dt(D), o(D, 0.0f);
+            const int64_t h = n / group;
+            const uint16_t* qrow = q + (bi * H + h) * D;
+            const uint16_t* krow = k + (bi * H + h) * D;
+            const float rq = l2factor_decode(qrow, D, eps);
+            const float rk = l2factor_decode(krow, D, eps);
+            for (int64_t d = 0; d < D; ++d) {
+                qv[d] = bf2f(qrow[d]) * rq;
+                kv[d] = bf2f(krow[d]) * rk;
+            }
+            const float ge = expf(g[bi * Hv + n]);
+            const float bt = bf2f(beta[bi * Hv + n]);
+            float* S = state + (bi * Hv + n) * D * D;
+            for (int64_t di = 0; di < D; ++di) {
+                const float* row = S + di * D;
+                const float kd = kv[di];
+                for (int64_t vd = 0; vd < D; ++vd) {
+                    float decayed = row[vd] * ge;
+                    acc[vd] = madd<kFused>(decayed, kd, acc[vd]);
+                }
+            }
+            for (int64_t vd = 0; vd < D; ++vd) {
+                float diff = bf2f(v[(bi * Hv + n) * D + vd]) - acc[vd];
+                dt[vd] = diff * bt;
+            }
+            for (int64_t di = 0; di < D; ++di) {
+                float* row = S + di * D;
+                const float kd = kv[di], qd = qv[di];
+                for (int64_t vd = 0; vd < D; ++vd) {
+                    float decayed = row[vd] * ge;
+                    float sn = madd<kFused>(kd, dt[vd], decayed);
+                    float t = sn * qd;
+                    o[vd] = madd<kFused>(t, scale, o[vd]);
+                    row[vd] = state_bf16 ? rbf(sn) : sn;
+                }
+            }
+            for (int64_t vd = 0; vd < D; ++vd) out[(bi * Hv + n) * D + vd] = f2bf(o[vd]);
+        }
+    }
+}
+
 }  // namespace
 
 extern "C" {
@@ -283,56 +347,11 @@ void fxp_gdn_chunk(const uint16_t* q, const uint16_t* k, const uint16_t* v, cons
 }
 
 void fxp_gdn_decode(const uint16_t* q, const uint16_t* k, const uint16_t* v, const float* g, const uint16_t* beta, float* state,
-                    int state_bf16, uint16_t* out, int64_t B, int64_t H, int64_t Hv, int64_t D, float eps) {
-    const int64_t group = Hv / H;
-    const float scale = static_cast<float>(1.0 / std::sqrt(static_cast<double>(D)));
-    // Heads apart (each thread whole heads); within a head every output vd folds di in order, the outputs advancing
-    // together over the state's rows: the kernel's arithmetic per output, whatever the threads.
-#pragma omp parallel for collapse(2) schedule(static)
-    for (int64_t bi = 0; bi < B; ++bi) {
-        for (int64_t n = 0; n < Hv; ++n) {
-            std::vector<float> qv(D), kv(D), acc(D, 0.0f), dt(D), o(D, 0.0f);
-            const int64_t h = n / group;
-            const uint16_t* qrow = q + (bi * H + h) * D;
-            const uint16_t* krow = k + (bi * H + h) * D;
-            const float rq = l2factor_decode(qrow, D, eps);
-            const float rk = l2factor_decode(krow, D, eps);
-            for (int64_t d = 0; d < D; ++d) {
-                qv[d] = bf2f(qrow[d]) * rq;
-                kv[d] = bf2f(krow[d]) * rk;
-            }
-            const float ge = expf(g[bi * Hv + n]);
-            const float bt = bf2f(beta[bi * Hv + n]);
-            float* S = state + (bi * Hv + n) * D * D;
-            for (int64_t di = 0; di < D; ++di) {
-                const float* row = S + di * D;
-                const float kd = kv[di];
-                for (int64_t vd = 0; vd < D; ++vd) {
-                    float decayed = row[vd] * ge;
-                    float prod = decayed * kd;
-                    acc[vd] = acc[vd] + prod;
-                }
-            }
-            for (int64_t vd = 0; vd < D; ++vd) {
-                float diff = bf2f(v[(bi * Hv + n) * D + vd]) - acc[vd];
-                dt[vd] = diff * bt;
-            }
-            for (int64_t di = 0; di < D; ++di) {
-                float* row = S + di * D;
-                const float kd = kv[di], qd = qv[di];
-                for (int64_t vd = 0; vd < D; ++vd) {
-                    float decayed = row[vd] * ge;
-                    float upd = kd * dt[vd];
-                    float sn = decayed + upd;
-                    float t = sn * qd;
-                    t = t * scale;
-                    o[vd] = o[vd] + t;
-                    row[vd] = state_bf16 ? rbf(sn) : sn;
-                }
-            }
-            for (int64_t vd = 0; vd < D; ++vd) out[(bi * Hv + n) * D + vd] = f2bf(o[vd]);
-        }
-    }
+                    int state_bf16, int fused, uint16_t* out, int64_t B, int64_t H, int64_t Hv, int64_t D, float eps) {
+    if (fused)
+        decode_rows<true>(q, k, v, g, beta, state, state_bf16, out, B, H, Hv, D, eps);
+    else
+        decode_rows<false>(q, k, v, g, beta, state, state_bf16, out, B, H, Hv, D, eps);
 }
 
 void fxp_gdn_conv_decode(const uint16_t* x, uint16_t* conv_state, const uint16_t* weight, int64_t C, int64_t K, uint16_t* out) {
@@ -358,7 +377,7 @@ void fxp_gdn_conv_decode(const uint16_t* x, uint16_t* conv_state, const uint16_t
 // gating of the decode kernel, q / k / v split from the conv output, the recurrence; conv_state [C, K - 1] and state
 // [Hv, D, D] carried from token to token. x: [n, C] bf16 (the conv's inputs), a / b: [n, Hv], out: [n, Hv, D].
 void fxp_gdn_decode_run(const uint16_t* x, uint16_t* conv_state, const uint16_t* weight, const uint16_t* a, const uint16_t* b,
-                        const float* A_log, const float* dt_bias, float* state, int state_bf16, uint16_t* out, int64_t n, int64_t C,
+                        const float* A_log, const float* dt_bias, float* state, int state_bf16, int fused, uint16_t* out, int64_t n, int64_t C,
                         int64_t K, int64_t H, int64_t Hv, int64_t D, float eps) {
     std::vector<uint16_t> mixed(C);
     std::vector<float> g(Hv);
@@ -370,7 +389,7 @@ void fxp_gdn_decode_run(const uint16_t* x, uint16_t* conv_state, const uint16_t*
         const uint16_t* k = mixed.data() + H * D;
         const uint16_t* v = mixed.data() + 2 * H * D;
         // fxp_gdn_decode takes B rows of [H, D] / [Hv, D] and a state per row: one row, this request's state
-        fxp_gdn_decode(q, k, v, g.data(), beta.data(), state, state_bf16, out + t * Hv * D, 1, H, Hv, D, eps);
+        fxp_gdn_decode(q, k, v, g.data(), beta.data(), state, state_bf16, fused, out + t * Hv * D, 1, H, Hv, D, eps);
     }
 }
 

@@ -2,15 +2,16 @@
 
 the kernels      vLLM's own GDN ops (prefill gating, chunk rule over pieces with and without a state, the decode
                  kernel, the conv's decode update and prefill) equal the contract's bit for bit at head counts,
-                 dims and state dtypes the probe never ran, in the build this CPU loads: the portable one (_C_AVX2)
-                 on an AVX2 CPU, the AVX-512 one (_C: packed C++ conv, exp_u20, VRCP14PS, oneDNN's brgemm) on an
-                 AVX-512 BF16 CPU without AMX
+                 dims and state dtypes the probe never ran, in each build this CPU can load: the portable ones
+                 (_C_AVX2, every x86 CPU; _C_AVX512, its decode's multiply-adds fused, every AVX-512 CPU), each in a
+                 process of its own, and the AVX-512 one (_C: packed C++ conv, exp_u20, VRCP14PS, libtorch's brgemm)
+                 on an AVX-512 BF16 CPU without AMX
 end to end       a Qwen3-Next hybrid (linear, full, linear, linear; every MLP an MoE block) rolled out by the eager
                  engine and by the engine as its users launch it (compiled: its gated norm and router are
                  Inductor's code): compare --contract vllm finds every sampled log-prob bitwise, each GDN layer
                  rewritten (core and gated norm)
-where the engine runs a build the contract does not follow (AMX's brgemm tiles, the AVX-512 build without BF16), the
-comparison is refused in one line naming the GDN op class, never reported
+where the engine runs what the contract does not follow (an AMX CPU's fused experts), the comparison is refused in
+one line naming the op class, never reported (tests/engine/test_cpu_families.py runs the hybrid as each family)
 """
 
 from __future__ import annotations
@@ -25,16 +26,19 @@ from pathlib import Path
 import pytest
 import torch
 
+from fx_precision.contract.gdn_form import PORTABLE as PORTABLE_FORM
+from fx_precision.contract.gdn_form import PORTABLE_FMA
+from fx_precision.engines.vllm.cpu_family import FAMILIES, CpuFamily, cpu_flags, runnable_families
 from fx_precision.tools.checkpoint import write_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 SAMPLES, MAX_TOKENS, PROMPT_LENS = 2, 6, "5,70,133"
-PORTABLE = not torch.cpu._is_avx512_supported()  # vLLM loads its portable build (_C_AVX2) here
 AVX512 = torch.cpu._is_avx512_bf16_supported() and not torch.cpu._is_amx_tile_supported()  # its _C build, no AMX tiles
-# the contract follows the build vLLM loads on this CPU, and the hybrids' experts; on an AMX CPU the GDN GEMMs are libtorch's
-# brgemm on tiles (the probe holds them there, at run time) and the fused experts SGL's AMX kernel, not followed: refused
-FOLLOWED = PORTABLE or AVX512
+# the contract follows the build vLLM loads on this CPU (_C_AVX2, _C_AVX512, _C), and the hybrids' experts; on an AMX CPU
+# the GDN GEMMs are libtorch's brgemm on tiles (the probe holds them there, at run time) and the fused experts SGL's AMX
+# kernel, not followed: refused
+FOLLOWED = not torch.cpu._is_amx_tile_supported()
 REFUSED_BY = re.compile(r"\b(gdn|moe)\b")  # where not followed: the op class that refused, in one line
 
 
@@ -45,22 +49,28 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-@pytest.mark.skipif(not PORTABLE, reason="vLLM loads its AVX-512 build on this CPU; its portable GDN ops (_C_AVX2) would "
-                    "register the same op names in this process")  # fmt: skip
-@pytest.mark.parametrize(
-    ("heads", "value_heads", "dim", "width", "state"),
-    [(1, 2, 64, 4, torch.bfloat16), (2, 2, 128, 4, torch.float32), (3, 6, 128, 3, torch.bfloat16), (2, 8, 64, 4, torch.float32)],
-)
-def test_the_engines_gdn_kernels_equal_the_contracts_at_held_out_shapes(heads: int, value_heads: int, dim: int, width: int,
-                                                                         state: torch.dtype) -> None:  # fmt: skip
-    from vllm.platforms import current_platform
+PORTABLE_BUILDS = {CpuFamily.AVX2: ("_C_AVX2", PORTABLE_FORM), CpuFamily.AVX512: ("_C_AVX512", PORTABLE_FMA)}
 
-    current_platform.import_kernels()  # the portable build's ops (_C_AVX2 on this CPU), as the engine loads them
 
-    from fx_precision.engines.vllm.gdn_probe import _differing
-
-    differ = _differing(heads, value_heads, dim, width, state, torch.Generator().manual_seed(heads * 1000 + dim))
-    assert differ == [], differ
+@pytest.mark.parametrize("family", list(PORTABLE_BUILDS), ids=str)
+def test_each_portable_builds_gdn_kernels_equal_the_contracts_at_held_out_shapes(family: CpuFamily) -> None:
+    """vLLM's generic GDN code as each of its portable builds compiled it: _C_AVX2 (every multiply and add rounded apart)
+    and _C_AVX512 (the decode recurrence's multiply-adds fused by the compiler), loaded in a process of their own (the
+    builds register the same op names) as the engine run as that family loads them. Each equals its contract kernels
+    bit for bit, and the other form's decode parts from it wherever the state is fp32 (a bf16 state's rounding can
+    hide a fused multiply-add's last bit at a small shape): the probe tells the two apart."""
+    if family not in runnable_families():
+        pytest.skip(f"this CPU lacks {', '.join(sorted(set(FAMILIES[family].needs) - cpu_flags()))}: no engine here runs as {family}")
+    shapes = ["1,2,64,4,bf16", "2,2,128,4,fp32", "3,6,128,3,bf16", "2,8,64,4,fp32"]
+    done = subprocess.run([sys.executable, str(Path(__file__).parent / "gdn_ops_check.py"), str(family), *shapes], capture_output=True,
+                          text=True, env=ENV, check=False)  # fmt: skip
+    assert done.returncode == 0, done.stderr[-3000:]
+    result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
+    library, form = PORTABLE_BUILDS[family]
+    assert library in result["kernels"] and result["build"] == form, result
+    for row in result["shapes"]:
+        assert row["differ"] == [], row
+        assert "decode rule" in row["differ_other"] or row["shape"].endswith("bf16"), row
 
 
 @pytest.mark.skipif(not AVX512, reason="vLLM's AVX-512 build (_C) runs its GDN GEMMs without AMX tiles only on an AVX-512 BF16 "

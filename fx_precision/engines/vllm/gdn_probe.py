@@ -5,9 +5,10 @@ head counts and dims, its SSM state's dtype and the kernel build this engine loa
                                  config, read off the config before anything starts (None: it can try)
     gdn_layers(model)      the engine's linear-attention layers (QwenGatedDeltaNetAttention: Qwen3-Next, Qwen3.5)
     probe_gdn(model, kernels, gen) -> (GdnForm | None, evidence, engine record)
-        the build          the portable one (_C_AVX2, conv by torch), or the AVX-512 one (_C on an AVX-512 BF16 CPU: packed
-                           C++ conv, fp32 state, its GEMMs libtorch's brgemm, on AMX tiles where the CPU has them); another
-                           is refused, said why
+        the build          the portable one (_C_AVX2, conv by torch), the AVX-512 one without BF16 (_C_AVX512: the portable
+                           code compiled for AVX-512, its decode recurrence's multiply-adds fused), or the AVX-512 one (_C on
+                           an AVX-512 BF16 CPU: packed C++ conv, fp32 state, its GEMMs libtorch's brgemm, on AMX tiles where
+                           the CPU has them); another is refused, said why
         the kernels        prefill gating, the chunk rule (pieces of 1, 33, 64, 130 tokens, with and without a state, more
                            than one request in a call), the decode kernel (three rows), the conv's decode update and its
                            prefill (vLLM's torch fallback, or its C++ kernels on packed weights), each against the
@@ -23,12 +24,13 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fx_precision.contract.evidence import CandidateEvidence, keeping
-from fx_precision.contract.gdn_form import AVX512, HEAD_DIMS, PORTABLE, GdnForm
+from fx_precision.contract.gdn_form import AVX512, HEAD_DIMS, PORTABLE, PORTABLE_FMA, GdnForm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
 PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
+PORTABLE_FMA_BUILD = "_C_AVX512"  # the AVX-512 library without BF16 (its GDN ops: the same generic lanes, GCC's FMAs)
 AVX512_BUILD = "(_C)"  # the AVX-512 + AVX512-BF16 library (its GDN ops: 16 lanes, exp_u20, VRCP14PS, libtorch's brgemm)
 EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant
 
@@ -91,13 +93,13 @@ def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm |
     record = {"layers": [n for n, _ in layers], "key_heads": heads, "value_heads": value_heads, "head_dim": dim, "conv_width": width,
               "state": state_name, "kernels": kernels}  # fmt: skip
     build = _build_followed(kernels, state_dtype)
-    why = build if build not in (PORTABLE, AVX512) else _not_followed(dim, value_dim, state_dtype)
+    why = build if build not in (PORTABLE, PORTABLE_FMA, AVX512) else _not_followed(dim, value_dim, state_dtype)
     if why or state_dtype is None:
         return None, CandidateEvidence(why=why or "the engine's layer holds no SSM state", details={"layer": name}), record
     form = GdnForm(build, state_name, EPS)
     try:
-        differ = _differing(heads, value_heads, dim, width, state_dtype, gen) if build == PORTABLE else _differing512(heads, value_heads,
-                                                                                                                   dim, gen)  # fmt: skip
+        differ = (_differing512(heads, value_heads, dim, gen) if build == AVX512
+                  else _differing(heads, value_heads, dim, width, state_dtype, gen, build))  # fmt: skip
     except Exception as exc:  # an engine op that refused the probe's shapes: recorded, never the run's end
         return None, CandidateEvidence(why=f"the GDN probe could not run here: {type(exc).__name__}: {exc}"[:300], failed=True), record
     candidates = {form.describe(): len(differ)}
@@ -108,13 +110,16 @@ def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm |
 
 
 def _build_followed(kernels: str, state_dtype: torch.dtype | None) -> str:
-    """``PORTABLE`` or ``AVX512`` where the contract follows the engine's GDN kernels on this CPU, else why not."""
+    """``PORTABLE``, ``PORTABLE_FMA`` or ``AVX512`` where the contract follows the engine's GDN kernels on this CPU, else why
+    not."""
     avx512_bf16 = torch.cpu._is_avx512_bf16_supported()  # vLLM's own test for its C++ conv (gdn_attention.py)
     if PORTABLE_BUILD in kernels:
         if avx512_bf16:
             return (f"the engine runs its C++ conv kernels on this CPU (AVX-512 BF16) with its {PORTABLE_BUILD} build, which the "
                     "contract does not follow: roll out at --isa auto (the AVX-512 build, followed) or --isa avx2")  # fmt: skip
         return PORTABLE
+    if PORTABLE_FMA_BUILD in kernels and not avx512_bf16:  # what vLLM loads on an AVX-512 CPU without AVX512-BF16
+        return PORTABLE_FMA
     if AVX512_BUILD in kernels and avx512_bf16:
         # an AMX CPU runs the same build; its GEMMs are libtorch's brgemm on AMX tiles there, which the contract calls too
         # (gdn_avx512_kernels.cpp), and the probe holds it to the engine's ops on that CPU
@@ -122,8 +127,9 @@ def _build_followed(kernels: str, state_dtype: torch.dtype | None) -> str:
             return (f"the engine's {kernels} GatedDeltaNet kernels with a {state_dtype} SSM state cache: followed with an fp32 "
                     "one; launch the engine with its default fp32 mamba_ssm_cache_dtype, or --isa avx2")  # fmt: skip
         return AVX512
-    return (f"the engine loaded its {kernels} kernels, whose GatedDeltaNet ops the contract does not follow; rollout --isa avx2 runs "
-            f"its portable build ({PORTABLE_BUILD}), which it does")  # fmt: skip
+    return (f"the engine loaded its {kernels} kernels with the CPU's AVX512-BF16 {'on' if avx512_bf16 else 'off'}, a pairing vLLM "
+            "never loads and whose GatedDeltaNet ops the contract does not follow; rollout --isa auto, avx512 or avx2 runs one it "
+            "does")  # fmt: skip
 
 
 def _not_followed(dim: int, value_dim: int, state_dtype: torch.dtype | None) -> str | None:
@@ -180,8 +186,9 @@ def _chunk_checked(H: int, Hv: int, D: int, state_dtype: torch.dtype, kernels: s
             return
 
 
-def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: torch.Generator) -> list[str]:
-    """The kernels whose bits part from the contract's on random inputs at these sizes (empty: every bit equal)."""
+def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: torch.Generator, kernels: str = PORTABLE) -> list[str]:
+    """The kernels of the portable code (``kernels``: ``PORTABLE``, or ``PORTABLE_FMA`` as the _C_AVX512 build compiled it)
+    whose bits part from the contract's on random inputs at these sizes (empty: every bit equal)."""
 
     from vllm.model_executor.layers.mamba.ops.cpu.causal_conv1d import causal_conv1d_fn_cpu
 
@@ -205,7 +212,7 @@ def _differing(H: int, Hv: int, D: int, K: int, state_dtype: torch.dtype, gen: t
                                                              torch.arange(B + 1, dtype=torch.int32), True, 1.0, 20.0)  # fmt: skip
     g, beta = ours.gating(a, b, A_log, dt_bias, decode=True)
     st = start.float().contiguous()
-    got = ours.decode_rule(q[0], k[0], v[0], g, beta, st, bf16_state, EPS)
+    got = ours.decode_rule(q[0], k[0], v[0], g, beta, st, bf16_state, EPS, kernels)
     if not (torch.equal(got, out_ref.reshape(B, Hv, D)) and torch.equal(st.to(state_dtype), pool)):
         differ.append("decode rule")
     C = 2 * H * D + Hv * D
