@@ -512,6 +512,39 @@ def test_the_residual_sum_lives_for_one_forward_under_the_contract() -> None:
             op()
 
 
+def test_a_row_the_engine_call_summed_apart_is_summed_in_its_own_order() -> None:
+    """A call whose row at index 3 the engine summed in another order (LinearCall.apart: oneDNN's jit GEMM on two
+    threads, the middle row of an odd call): the rows the plan places at index 3 of a 7-row call take that order, the
+    others the call's; rows at index 3 of another call do not. Without row indices in the plan, refused."""
+    x, w, b = _cancelling(10, 256, 64, seed=5)
+    x = x.view(2, 5, 256)
+    sequential = LinearOrder.sequential(256)
+    orders = LinearOrders(1, (LinearCall(64, 256, 7, BLOCKED, ((3, sequential),)), LinearCall(64, 256, 3, BLOCKED)))
+    body = torch.tensor([[7, 7, 7, 7, 3], [3, 3, 7, 7, 7]], dtype=torch.int32)
+    at = torch.tensor([[0, 1, 2, 3, 0], [1, 2, 3, 4, 5]], dtype=torch.int32)
+    zeros = torch.zeros_like(body)
+    with engine_rows(EngineRows(body, zeros, orders, body_at=at, logits_at=zeros)):
+        out = engine_linear(x, w, b, False, 0, "test.linear")
+    kernels = engine_kernels()
+    blocked, apart = (kernels.linear(x.view(10, 256), w, b, o.struct()) for o in (BLOCKED, sequential))
+    assert not torch.equal(blocked, apart)  # the orders part: which one ran shows
+    expected = torch.stack([apart[i] if (m, a) == (7, 3) else blocked[i] for i, (m, a) in enumerate(zip(body.flatten().tolist(),
+                            at.flatten().tolist(), strict=True))]).view(2, 5, 64)  # fmt: skip
+    assert torch.equal(out, expected)
+    with engine_rows(EngineRows(body, zeros, orders)), pytest.raises(PrecisionError, match="holds no row indices"):
+        engine_linear(x, w, b, False, 0, "test.linear")
+
+
+def test_linear_orders_keep_their_rows_apart_through_json_and_refuse_a_row_outside_the_call() -> None:
+    orders = LinearOrders(2, (LinearCall(64, 256, 7, BLOCKED, ((3, LinearOrder.sequential(256)),)),))
+    assert LinearOrders.from_dict(json.loads(json.dumps(orders.to_dict()))) == orders
+    assert "1 call(s) with rows summed apart" in orders.describe()
+    bad = orders.to_dict()
+    bad["calls"][0]["apart"][0]["row"] = 7
+    with pytest.raises(PrecisionError, match=r"contract\.linears\.calls\[0\]: LinearCall at 7 rows: apart rows \[7\]"):
+        LinearOrders.from_dict(bad)
+
+
 def test_row_plans_follow_the_engine_steps() -> None:
     # two prompts of 6 and 3 tokens prefilled together (9 rows), then 2 decode steps of 2 rows; b's
     # decode row (3, 4) repeats a row of a's prefill: rows are claimed in order, each once
@@ -530,6 +563,10 @@ def test_row_plans_follow_the_engine_steps() -> None:
     assert rows.body.tolist() == [[9] * 6 + [2, 2], [9] * 3 + [2, 2, 0, 0, 0]]
     assert rows.logits.tolist() == [[5] * 5 + [2, 2, 0], [2, 2, 2, 2, 0, 0, 0, 0]]
     assert RowPlan((9, 2), (9,)).tensors()[1].tolist() == [[9, 0]]
+    # each row's index in the forward that computed it, and in its logits call (its prompt's, or the step's sampling call)
+    assert plan_a.body_at == (0, 1, 2, 3, 4, 5, 0, 0) and plan_b.body_at == (6, 7, 8, 1, 1)
+    assert plan_a.logits_at == (0, 1, 2, 3, 4, 0, 0) and plan_b.logits_at == (0, 1, 1, 1)
+    assert rows.body_at is not None and rows.body_at.tolist() == [[0, 1, 2, 3, 4, 5, 0, 0], [6, 7, 8, 1, 1, 0, 0, 0]]
 
 
 def test_row_plans_follow_prefix_cache_hits_and_prompt_chunks_in_one_step() -> None:
@@ -547,6 +584,9 @@ def test_row_plans_follow_prefix_cache_hits_and_prompt_chunks_in_one_step() -> N
     plan_a, plan_b, plan_c = row_plans([a, b, c], engine)
     assert plan_b.body == (34,) * 20 + (22, 2)  # rows 0-15 read from a's computation: the same step's call
     assert plan_a.logits[19:] == (3, 3) and plan_b.logits[19:] == (3, 3) and plan_c.logits[29:] == (3,)
+    assert plan_b.body_at == (*range(16), 20, 21, 22, 23, 1, 1)  # the cached rows at their place in a's request
+    assert plan_c.body_at == (*range(24, 34), *range(2, 22), 0)
+    assert plan_a.logits_at[19:] == (0, 0) and plan_b.logits_at[19:] == (1, 1) and plan_c.logits_at[29:] == (2,)
     stale = {**engine, "logits_calls": [[0, 4], [1, 3], [2, 2]]}  # the old plan's count: b's cached rows as a request
     assert "other batches than assumed" in (check_logits_calls([a, b, c], stale) or "")
 

@@ -107,7 +107,8 @@ def test_the_probe_reads_each_family_off_a_kernel_that_sums_in_it(order: LinearO
         _, not_tried = linear_families(1024, 1, True)
         assert "no AMX" in not_tried["amx-chunks"]
         pytest.skip("this CPU has no AMX tiles: the AMX family is not tried here (held above), its read needs an AMX CPU")
-    found, evidence = read_linear_order(call, w, bias, 4, 1, torch.Generator().manual_seed(1))
+    linear, evidence = read_linear_order(call, w, bias, 4, 1, torch.Generator().manual_seed(1))
+    found = linear.order if linear is not None else None
     assert found == order.canonical(), (found, evidence)
     assert evidence.kept == order.canonical().describe()
 
@@ -152,3 +153,26 @@ def test_the_cpu_families_are_read_off_the_flags_and_a_family_the_cpu_lacks_is_r
         family_settings("avx512-bf16", AVX2_CPU)
     with pytest.raises(PrecisionError, match="--isa 'sse4': one of auto, amx, avx512-bf16, avx512, avx2"):
         family_settings("sse4", AMX_CPU)
+
+
+def test_the_probe_reads_a_row_the_engine_summed_apart() -> None:
+    """An engine call that sums its middle row in another order than the rest (oneDNN's jit GEMM without AVX512-BF16 on
+    two threads: an odd call of 5 or more rows): no one order gives every row, and the probe reads the call's order and
+    that row's apart; a call summed one way has nothing apart."""
+    kernels = engine_kernels()
+    gen = torch.Generator().manual_seed(4)
+    w = (torch.randn(6, 192, generator=gen) * 0.05).to(BF16)
+    main, other = LinearOrder.sequential(192, LinearKernel.PAIRS), LinearOrder(LinearKernel.PAIRS, (4,) * 24, (24,))
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        out = kernels.linear(x, w, None, main.struct())
+        middle = (x.shape[0] - 1) // 2
+        if x.shape[0] % 2:
+            out[middle] = kernels.linear(x[middle : middle + 1].contiguous(), w, None, other.struct())[0]
+        return out
+
+    read, evidence = read_linear_order(call, w, None, 7, 2, torch.Generator().manual_seed(1))
+    assert read is not None and read.order == main and read.apart == ((3, other),), evidence
+    assert evidence.record is not None and evidence.record["apart"] == {"3": other.to_dict()}
+    read, evidence = read_linear_order(call, w, None, 6, 2, torch.Generator().manual_seed(1))
+    assert read is not None and read.order == main and read.apart == (), evidence

@@ -27,7 +27,7 @@ import contextvars
 import functools
 from collections import Counter
 from collections.abc import Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 import torch
@@ -58,10 +58,18 @@ class RowPlan:
     kv_tiles: tuple[RowTiles, ...] | None = None  # one per token; None: not planned (one tile per row)
     gdn: tuple[int, ...] | None = None  # one per token: the first row of the engine piece that prefilled it, or contract.gdn's
     # GDN_DECODE / GDN_NONE (None: no GatedDeltaNet layer in the model)
+    body_at: tuple[int, ...] | None = None  # one per token: its row index in the engine forward that computed it (None: 0s)
+    logits_at: tuple[int, ...] | None = None  # one per token but the last: its row index in its logits call (None: 0s)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, T] int32 each (the logits row of the last token: 0)."""
         return torch.tensor([self.body], dtype=torch.int32), torch.tensor([(*self.logits, 0)], dtype=torch.int32)
+
+    def at_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """``body_at`` and ``logits_at`` as [1, T] int32 (0 where not planned)."""
+        body = self.body_at if self.body_at is not None else (0,) * len(self.body)
+        logits = self.logits_at if self.logits_at is not None else (0,) * len(self.logits)
+        return torch.tensor([body], dtype=torch.int32), torch.tensor([(*logits, 0)], dtype=torch.int32)
 
 
 def _steps(engine: dict[str, Any]) -> list[list[tuple[int, int]]]:
@@ -190,27 +198,42 @@ def row_plans(sequences: Sequence[TokenSequence], engine: dict[str, Any], *, wit
         )
     prompt_logprobs = bool(engine.get("prompt_logprobs", True))
     _, requests = _predicted_calls(sequences, step_of, fed_steps, prompt_logprobs)
+    in_step = step_requests(sequences, steps)
     plans = []
-    for s, found in zip(sequences, step_of, strict=True):
+    for i, (s, found, computed) in enumerate(zip(sequences, step_of, _rows_requests(claims, in_step), strict=True)):
         body = tuple(len(steps[f]) if f is not None else 0 for f in found)
-        logits = []
+        body_at = tuple(0 if at is None else sum(q for q, _ in in_step[at[0]][: at[1]]) + r - (at[3] - at[2])
+                        for r, at in enumerate(computed))  # fmt: skip
+        logits, logits_at = [], []
         for r in range(len(s.tokens) - 1):
             step = found[r]
             if step is None or not with_logits:
                 logits.append(0)
+                logits_at.append(0)
             elif r < s.prompt_len - 1:
-                prompt_rows = sum(1 for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1)
-                logits.append(prompt_rows if prompt_logprobs else 0)  # no prompt log-probs: those rows' logits never computed
+                prompt = [q for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1]
+                logits.append(len(prompt) if prompt_logprobs else 0)  # no prompt log-probs: those rows' logits never computed
+                logits_at.append(r - prompt[0] if prompt_logprobs else 0)
             else:
                 logits.append(requests[step])
-        plans.append(RowPlan(body, tuple(logits)))
+                logits_at.append(_sampling_index(claims, i, step))
+        plans.append(RowPlan(body, tuple(logits), body_at=body_at, logits_at=tuple(logits_at)))
     if tiling is not None:
         tiles = kv_tiles_of(sequences, steps, claims, tiling)
-        plans = [RowPlan(p.body, p.logits, t) for p, t in zip(plans, tiles, strict=True)]
+        plans = [replace(p, kv_tiles=t) for p, t in zip(plans, tiles, strict=True)]
     if gdn:
         pieces = gdn_pieces_of(sequences, steps, claims)
-        plans = [RowPlan(p.body, p.logits, p.kv_tiles, g) for p, g in zip(plans, pieces, strict=True)]
+        plans = [replace(p, gdn=g) for p, g in zip(plans, pieces, strict=True)]
     return plans
+
+
+def _sampling_index(claims: Claims, sequence: int, step: int) -> int:
+    """The row of ``sequence``'s request in ``step``'s sampling call: one row per request that fed rows in the step, in the
+    step's order (the requests of other sequences before it)."""
+    mine = claims.requests[sequence].get(step)
+    if mine is None:
+        raise PrecisionError(f"engine rows: a sequence sampled at engine step {step} holds no request there; roll out again")
+    return sum(1 for other in claims.requests if other.get(step, mine) < mine)
 
 
 GDN_DECODE, GDN_NONE = -1, -2  # contract/gdn.py's codes (there with what they mean)
@@ -297,6 +320,8 @@ class EngineRows:
     # for a linear whose siblings another graph holds (a graph break between them): see fused_linear_widths
     kv_tiles: torch.Tensor | None = None  # [B, T, N, 4] int32: each row's split-KV parts and tiles (attention_tiles.py)
     gdn: torch.Tensor | None = None  # [B, T] int32: each row's GatedDeltaNet piece (RowPlan.gdn; padding GDN_NONE)
+    body_at: torch.Tensor | None = None  # [B, T] int32: each row's index in its engine forward (RowPlan.body_at; None: 0s)
+    logits_at: torch.Tensor | None = None  # [B, T] int32: each row's index in its logits call (RowPlan.logits_at)
 
     @classmethod
     def of(cls, plans: Sequence[RowPlan], orders: LinearOrders, length: int | None = None,
@@ -313,15 +338,20 @@ class EngineRows:
         if any(with_gdn) and not all(with_gdn):
             raise PrecisionError("engine rows: some sequences of the batch hold a GatedDeltaNet plan and others none; plan them alike")
         gdn = torch.full((len(plans), width), GDN_NONE, dtype=torch.int32) if plans and all(with_gdn) else None
+        body_at = torch.zeros(len(plans), width, dtype=torch.int32)
+        logits_at = torch.zeros(len(plans), width, dtype=torch.int32)
         for i, p in enumerate(plans):
             b, lg = p.tensors()
             body[i, : b.shape[1]] = b[0]
             logits[i, : lg.shape[1]] = lg[0]
+            b_at, lg_at = p.at_tensors()
+            body_at[i, : b_at.shape[1]] = b_at[0]
+            logits_at[i, : lg_at.shape[1]] = lg_at[0]
             if kv_tiles is not None and p.kv_tiles is not None:
                 kv_tiles[i, : len(p.kv_tiles)] = tiles_tensor(p.kv_tiles, parts)
             if gdn is not None and p.gdn is not None:
                 gdn[i, : len(p.gdn)] = torch.tensor(p.gdn, dtype=torch.int32)
-        return cls(body, logits, orders, dict(fused or {}), kv_tiles, gdn)
+        return cls(body, logits, orders, dict(fused or {}), kv_tiles, gdn, body_at, logits_at)
 
     @functools.cached_property
     def body_groups(self) -> tuple[tuple[int, torch.Tensor], ...]:

@@ -31,7 +31,8 @@ each CPU family by ``rollout --isa``):
                 ((u4+u5)+(u6+u7)); one order for every row count and thread count (gemv16_hadd_output)
 
     LinearOrder      (kernel, blocks, parts, bias_first, lanes): one order; ``struct()`` is its C form
-    LinearCall       (out_features, in_features, rows) -> LinearOrder: what the probe read off the engine
+    LinearCall       (out_features, in_features, rows) -> LinearOrder (and the call's rows summed apart, by index):
+                     what the probe read off the engine
     LinearOrders     every call of a run, and the engine's thread count they were read at
     candidate_orders every order of a kernel's family for K and a thread count (the probe keeps those that match)
 
@@ -196,12 +197,22 @@ class LinearOrder:
 
 @dataclass(frozen=True)
 class LinearCall:
-    """The order the engine sums a linear of this weight shape in, when a call holds ``rows`` rows."""
+    """The order the engine sums a linear of this weight shape in, when a call holds ``rows`` rows, and the rows of the
+    call it sums in another (``apart``: (row index in the call, order); oneDNN's jit GEMM without AVX512-BF16 on two
+    threads computes the middle row of an odd call of 5 or more rows, and the third of three 1-wide rows, as its
+    one-row GEMV does)."""
 
     out_features: int
     in_features: int
     rows: int
     order: LinearOrder
+    apart: tuple[tuple[int, LinearOrder], ...] = ()
+
+    def __post_init__(self) -> None:
+        indices = [i for i, _ in self.apart]
+        if any(not 0 <= i < self.rows for i in indices) or len(set(indices)) != len(indices) or indices != sorted(indices):
+            raise PrecisionError(f"LinearCall at {self.rows} rows: apart rows {indices} must be distinct row indices of the call, "
+                                 "in order")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -212,9 +223,13 @@ class LinearOrders:
     calls: tuple[LinearCall, ...] = ()
 
     def order_for(self, out_features: int, in_features: int, rows: int) -> LinearOrder | None:
+        call = self.call_for(out_features, in_features, rows)
+        return call.order if call is not None else None
+
+    def call_for(self, out_features: int, in_features: int, rows: int) -> LinearCall | None:
         for call in self.calls:
             if (call.out_features, call.in_features, call.rows) == (out_features, in_features, rows):
-                return call.order
+                return call
         return None
 
     def shapes(self) -> set[tuple[int, int]]:
@@ -232,16 +247,19 @@ class LinearOrders:
         if not self.calls:
             return "no linear orders read"
         kinds = sorted({c.order.describe() for c in self.calls})
+        apart = sum(1 for c in self.calls if c.apart)
         return (
             f"{len(self.calls)} linear calls read on {self.threads} engine thread(s): "
             + "; ".join(kinds[:3])
             + (f" (+{len(kinds) - 3} more)" if len(kinds) > 3 else "")
+            + (f"; {apart} call(s) with rows summed apart" if apart else "")
         )
 
     def to_dict(self) -> dict[str, Any]:
         return {
             "threads": self.threads,
-            "calls": [{"out_features": c.out_features, "in_features": c.in_features, "rows": c.rows, "order": c.order.to_dict()}
+            "calls": [{"out_features": c.out_features, "in_features": c.in_features, "rows": c.rows, "order": c.order.to_dict(),
+                       **({"apart": [{"row": i, "order": o.to_dict()} for i, o in c.apart]} if c.apart else {})}
                       for c in self.calls],
         }  # fmt: skip
 
@@ -257,8 +275,9 @@ class LinearOrders:
         out = []
         for i, call in enumerate(calls):
             at = f"{where}.calls[{i}]"
-            if not isinstance(call, dict) or set(call) != {"out_features", "in_features", "rows", "order"}:
-                raise PrecisionError(f"{at}: an object with out_features, in_features, rows and order")
+            if not isinstance(call, dict) or not {"out_features", "in_features", "rows", "order"} <= set(call) <= {
+                    "out_features", "in_features", "rows", "order", "apart"}:  # fmt: skip
+                raise PrecisionError(f"{at}: an object with out_features, in_features, rows, order (and apart)")
             for key in ("out_features", "in_features", "rows"):
                 value = call[key]
                 if not isinstance(value, int) or isinstance(value, bool) or value < 1:
@@ -267,8 +286,29 @@ class LinearOrders:
             if not order.fits(call["in_features"]):
                 raise PrecisionError(f"{at}.order: its blocks cover {sum(order.blocks)} {order.kernel} units, in_features "
                                      f"{call['in_features']} has {units_of(order.kernel, call['in_features'])}")  # fmt: skip
-            out.append(LinearCall(call["out_features"], call["in_features"], call["rows"], order))
+            apart = _apart_from(call.get("apart", []), call["in_features"], f"{at}.apart")
+            try:
+                out.append(LinearCall(call["out_features"], call["in_features"], call["rows"], order, apart))
+            except PrecisionError as exc:
+                raise PrecisionError(f"{at}: {exc}") from None
         return cls(threads, tuple(out))
+
+
+def _apart_from(data: object, in_features: int, where: str) -> tuple[tuple[int, LinearOrder], ...]:
+    if not isinstance(data, list):
+        raise PrecisionError(f"{where}: a list of {{row, order}}, got {type(data).__name__}")
+    out = []
+    for j, item in enumerate(data):
+        if not isinstance(item, dict) or set(item) != {"row", "order"}:
+            raise PrecisionError(f"{where}[{j}]: an object of row and order, got {item!r}"[:300])
+        row = item["row"]
+        if not isinstance(row, int) or isinstance(row, bool) or row < 0:
+            raise PrecisionError(f"{where}[{j}].row: a row index, got {row!r}")
+        order = LinearOrder.from_dict(item["order"], f"{where}[{j}].order")
+        if not order.fits(in_features):
+            raise PrecisionError(f"{where}[{j}].order: its blocks do not cover in_features {in_features}")
+        out.append((row, order))
+    return tuple(out)
 
 
 def _split(total: int, parts: int, balanced: bool) -> list[int]:

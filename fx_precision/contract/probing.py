@@ -353,72 +353,178 @@ def linear_families(k: int, threads: int, has_bias: bool, out_features: int = 0)
     return list(dict.fromkeys(candidates)), not_tried
 
 
+def _folded(order: LinearOrder, x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+            dots: torch.Tensor | None) -> torch.Tensor:  # fmt: skip
+    """[P] bf16: output i = x_i . w_i (+ bias_i) in ``order`` (an AMX order from the chunk dots ``dots``)."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    kernels = engine_kernels()
+    if order.kernel == LinearKernel.AMX_CHUNKS:
+        assert dots is not None
+        return kernels.order_fold(dots, bias, order.struct())
+    return kernels.product_fold(x, w, bias, order.struct())
+
+
 def _giving(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
             want: torch.Tensor) -> list[LinearOrder]:  # fmt: skip
     """The orders that give every output ``want`` (output i = x_i . w_i + bias_i): the AMX chunk orders by folding the
     outputs' chunk dots, the others output by output in C, on 2 outputs, then 16, then all (most fail on the first)."""
     from fx_precision.contract.kernels import engine_kernels
 
-    kernels = engine_kernels()
     amx = [o for o in orders if o.kernel == LinearKernel.AMX_CHUNKS]
-    dots = kernels.chunk_dots(x, w) if amx else None
+    dots = engine_kernels().chunk_dots(x, w) if amx else None
     kept = []
     for order in orders:
-        struct = order.struct()
         if order.kernel == LinearKernel.AMX_CHUNKS:
-            assert dots is not None
-            if torch.equal(kernels.order_fold(dots, bias, struct), want):
+            if torch.equal(_folded(order, x, w, bias, dots), want):
                 kept.append(order)
             continue
-        if all(torch.equal(kernels.product_fold(x[:n], w[:n], bias[:n] if bias is not None else None, struct), want[:n])
+        if all(torch.equal(_folded(order, x[:n], w[:n], bias[:n] if bias is not None else None, None), want[:n])
                for n in (2, 16, x.shape[0])):  # fmt: skip
             kept.append(order)
     return kept
 
 
+def _fits(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None,
+          want: torch.Tensor) -> dict[LinearOrder, torch.Tensor]:  # fmt: skip
+    """Per order, [P] bool: which probed outputs it gives bit for bit."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    dots = engine_kernels().chunk_dots(x, w) if any(o.kernel == LinearKernel.AMX_CHUNKS for o in orders) else None
+    return {o: _folded(o, x, w, bias, dots).view(torch.int16) == want.view(torch.int16) for o in orders}
+
+
+def _apart(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, want: torch.Tensor,
+           index: torch.Tensor, rows: int) -> tuple[LinearOrder, dict[int, list[LinearOrder]]] | None:  # fmt: skip
+    """The call's main order, the one that gives the most of its row indices (``index``: each probed output's row in the
+    call), and for each row index it does not give, the orders that do (None: a row no order gives). Every order is
+    tried on the outputs of up to 32 row indices spread over the call, those that give the most of them on all; the
+    rows the main one misses then on their own outputs alone."""
+
+    def given(fit: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # [rows] bool: every output of the row given
+        return torch.zeros(rows, dtype=torch.int32).index_add_(0, at, (~fit).to(torch.int32)) == 0
+
+    spread = torch.unique(torch.linspace(0, rows - 1, min(rows, 32)).round().long())
+    sampled = torch.isin(index, spread)
+    picked_bias = bias[sampled] if bias is not None else None
+    on_sample = _fits(orders, x[sampled], w[sampled], picked_bias, want[sampled])
+    counts = {o: int(given(fit, index[sampled])[spread].sum()) for o, fit in on_sample.items()}
+    best = max(counts.values())
+    finalists = [o for o in orders if counts[o] == best][:4]
+    whole = {o: given(fit, index) for o, fit in _fits(finalists, x, w, bias, want).items()}
+    main = max(finalists, key=lambda o: (int(whole[o].sum()), -finalists.index(o)))
+    apart: dict[int, list[LinearOrder]] = {}
+    for i in (~whole[main]).nonzero().flatten().tolist():
+        mine = index == i
+        kept = [o for o, fit in _fits(orders, x[mine], w[mine], bias[mine] if bias is not None else None, want[mine]).items()
+                if bool(fit.all())]  # fmt: skip
+        if not kept:
+            return None
+        apart[i] = kept
+    return main, apart
+
+
 def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, threads: int,
-                      gen: torch.Generator) -> tuple[LinearOrder | None, LinearCallEvidence]:  # fmt: skip
-    """The order the engine's linear ``call`` sums in when it holds ``rows`` rows (contract/linear_order.py).
+                      gen: torch.Generator) -> tuple[LinearCall | None, LinearCallEvidence]:  # fmt: skip
+    """What the engine's linear ``call`` sums in when it holds ``rows`` rows (contract/linear_order.py).
     Trials of targeted inputs gather ``PROBE_OUTPUTS`` probed outputs; every candidate of every family this CPU's
     engine can run (``linear_families``) is computed for those outputs and kept when it gives all their bits; what is
     left is then run whole (every output of the last trial, by the kernel the training side runs) before one is
-    returned. Orders that still agree are recorded."""
+    returned. Orders that still agree are recorded. Where no one order gives every row, the rows are read apart: the
+    order that gives the most row indices of the call, and for each other index the order that gives it (more rounds of
+    trials while one agrees with another there); the whole call is then run as so read."""
     from fx_precision.contract.kernels import engine_kernels
 
     kernels = engine_kernels()
     n, k = weight.shape
     trials = max(3, min(MAX_TRIALS, -(-PROBE_OUTPUTS // rows)))
-    found, not_tried = linear_families(k, threads, bias is not None, n)
+    families, not_tried = linear_families(k, threads, bias is not None, n)
+    found = families
     probed = 0
     last: tuple[torch.Tensor, torch.Tensor] | None = None
-    for _ in range(PROBE_ROUNDS):  # a round of trials; another while two orders give every probed output
+    seen_x, seen_cols, seen_want = [], [], []
+
+    def trial_round() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
+        nonlocal probed, last
         xs, wants, cols = [], [], []
         for trial in range(trials):
             x, targets = targeted_rows(weight, rows, trial, gen)
             got = call(x.clone())
             if tuple(got.shape) != (rows, n) or got.dtype != torch.bfloat16:
-                returned = f"{tuple(got.shape)} {got.dtype}"
-                return None, LinearCallEvidence(rows, why=f"the engine's call returned {returned} for {rows} rows of {k}: not a bf16 GEMM")
+                return f"the engine's call returned {tuple(got.shape)} {got.dtype} for {rows} rows of {k}: not a bf16 GEMM"
             wants.append(got[torch.arange(rows), targets])
             xs.append(x)
             cols.append(targets)
             last = (x, got)
-        all_x, all_cols, want = torch.cat(xs), torch.cat(cols), torch.cat(wants)
+        probed += rows * trials
+        seen_x.extend(xs)
+        seen_cols.extend(cols)
+        seen_want.extend(wants)
+        return torch.cat(xs), torch.cat(cols), torch.cat(wants)
+
+    for _ in range(PROBE_ROUNDS):  # a round of trials; another while two orders give every probed output
+        got_round = trial_round()
+        if isinstance(got_round, str):
+            return None, LinearCallEvidence(rows, why=got_round)
+        all_x, all_cols, want = got_round
         picked_bias = bias.float()[all_cols] if bias is not None else None
-        probed += int(want.numel())
         found = _giving(found, all_x, weight[all_cols].contiguous(), picked_bias, want)
         if len(found) <= 1:
             break
     evidence = LinearCallEvidence(rows, probed, len(found), dict(not_tried))
-    if not found or last is None:
+    if last is None:
         return None, replace(evidence, why="no order of the families tried gives the engine's bits")
+    if not found:
+        return _read_apart(call, weight, bias, rows, families, (seen_x, seen_cols, seen_want), trial_round, evidence)
     x, got = last
     with _all_threads():
         whole = [o for o in found[:2] if torch.equal(kernels.linear(x, weight, bias, o.struct()), got)]
     if not whole:
         return None, replace(evidence, why="the orders the probed outputs kept differ from the engine on other outputs")
     ambiguous = tuple(o.describe() for o in whole) if len(whole) > 1 else ()
-    return whole[0], keeping(replace(evidence, ambiguous=ambiguous), whole[0])
+    return LinearCall(n, k, rows, whole[0]), keeping(replace(evidence, ambiguous=ambiguous), whole[0])
+
+
+def _read_apart(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, families: list[LinearOrder],
+                seen: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+                trial_round: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str],
+                evidence: LinearCallEvidence) -> tuple[LinearCall | None, LinearCallEvidence]:  # fmt: skip
+    """``read_linear_order`` where no one order gives every row of the call: each row index read apart on every output
+    probed so far (``seen``), more rounds while an index is given by more than one order, then the whole call checked."""
+    from fx_precision.contract.kernels import engine_kernels
+
+    n, k = weight.shape
+    xs, cols, wants = seen
+    read: tuple[LinearOrder, dict[int, list[LinearOrder]]] | None = None
+    for round_ in range(PROBE_ROUNDS + 1):
+        all_x, all_cols, want = torch.cat(xs), torch.cat(cols), torch.cat(wants)
+        index = torch.arange(all_x.shape[0]) % rows
+        picked_bias = bias.float()[all_cols] if bias is not None else None
+        read = _apart(families, all_x, weight[all_cols].contiguous(), picked_bias, want, index, rows)
+        if read is None or all(len(kept) == 1 for kept in read[1].values()) or round_ == PROBE_ROUNDS:
+            break
+        more = trial_round()
+        if isinstance(more, str):
+            return None, replace(evidence, why=more)
+    evidence = replace(evidence, probed_outputs=sum(int(w.numel()) for w in wants))
+    if read is None:
+        return None, replace(evidence, why="no order of the families tried gives the engine's bits, one row or another")
+    main, apart = read
+    x = xs[-1]
+    got = call(x.clone())
+    order_of = {i: kept[0] for i, kept in apart.items()}
+    with _all_threads():
+        computed = engine_kernels().linear(x, weight, bias, main.struct())
+        for i, order in order_of.items():
+            computed[i] = engine_kernels().linear(x[i : i + 1].contiguous(), weight, bias, order.struct())[0]
+    if not torch.equal(computed, got):
+        return None, replace(evidence, why="the orders read row by row differ from the engine on other outputs")
+    ambiguous = tuple(f"row {i}: {o.describe()}" for i, kept in apart.items() if len(kept) > 1 for o in kept[:2])
+    found = LinearCall(n, k, rows, main, tuple(sorted(order_of.items())))
+    kept = keeping(replace(evidence, candidates_left=1, ambiguous=ambiguous), main)
+    summary = "; ".join(f"row {i}: {o.describe()}" for i, o in found.apart)
+    return found, replace(kept, kept=f"{main.describe()}; apart: {summary}"[:400],
+                          record={**(kept.record or {}), "apart": {str(i): o.to_dict() for i, o in found.apart}})  # fmt: skip
 
 
 @contextlib.contextmanager
@@ -435,7 +541,7 @@ def _all_threads() -> Iterator[None]:
 
 def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tensor | None, bool]], body_rows: set[int],
                       logits_rows: set[int], threads: int, gen: torch.Generator,
-                      seen: dict[tuple[int, int, int], tuple[str, LinearOrder | None, LinearCallEvidence]] | None = None,
+                      seen: dict[tuple[int, int, int], tuple[str, LinearCall | None, LinearCallEvidence]] | None = None,
                       ) -> tuple[LinearOrders, LinearEvidence]:  # fmt: skip
     """The order of every linear call the run made: ``calls`` name -> (call, bf16 weight, bias, is the output
     projection); each at every step size of the run (the logits one at every logits call's size). Linears of one
@@ -451,17 +557,16 @@ def read_linear_calls(calls: dict[str, tuple[LinearRun, torch.Tensor, torch.Tens
     found_calls: dict[str, LinearCallEvidence] = {}
     orders_read: dict[str, dict[str, Any]] = {}
     unmatched: list[str] = []
-    read: dict[tuple[int, int, int], LinearOrder | None] = {}
-    for (n, k, rows), (name, order, found) in sorted(seen.items()):
-        read[(n, k, rows)] = order
+    calls_read: list[LinearCall] = []
+    for (n, k, rows), (name, linear, found) in sorted(seen.items()):
         found_calls[f"{name} {n}x{k} at {rows} rows"] = found
-        if order is None:
+        if linear is None:
             unmatched.append(f"{name} at {rows} rows")
         else:
-            orders_read[linear_call_key(n, k, rows)] = value_record(order)
+            calls_read.append(linear)
+            orders_read[linear_call_key(n, k, rows)] = value_record(linear.order)
     why = f"no order gives the engine's bits for {', '.join(unmatched[:3])}" if unmatched else None
-    calls_read = tuple(LinearCall(n, k, m, o) for (n, k, m), o in read.items() if o is not None)
-    return LinearOrders(threads, calls_read), LinearEvidence(found_calls, orders_read, tuple(unmatched), why)
+    return LinearOrders(threads, tuple(calls_read)), LinearEvidence(found_calls, orders_read, tuple(unmatched), why)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -52,7 +52,7 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
     contract = getattr(policy, "contract", None)
     if contract is None:
         return [None] * len(dump.sequences)
-    from fx_precision.contract.batch_rows import EngineRows, RowPlan, row_plans
+    from fx_precision.contract.batch_rows import EngineRows, row_plans
 
     engine = dump.engine or {}
     if steps == "steps":
@@ -60,7 +60,7 @@ def _engine_rows(dump: Dump, policy: Any, steps: str = "steps") -> list[Any]:
     else:
         module_pass = {"steps": engine.get(steps), "logits_calls": engine.get("module_logits_calls")}
         alone = row_plans(dump.sequences, module_pass, with_logits=False, tiling=contract.kv_tiling, gdn=contract.gdn is not None)
-        plans = [RowPlan(p.body, (0,) * len(p.logits), p.kv_tiles, p.gdn) for p in alone]
+        plans = [replace(p, logits=(0,) * len(p.logits), logits_at=None) for p in alone]
     return [EngineRows.of([plan], contract.linears) for plan in plans]
 
 

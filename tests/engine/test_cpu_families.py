@@ -168,3 +168,36 @@ def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFa
     lp = report["logprob"]
     assert lp["bitwise_share"] == 1.0 and lp["tokens"] == 2 * (7 + 90 + 2 * 4), lp
     assert [layer["differ"] for layer in report["routes"]["layers"]] == [0, 0]
+
+
+GDN_FORMS = {CpuFamily.AVX512: "portable-fma", CpuFamily.AVX2: "portable"}  # the native AVX-512 BF16 build: tests/engine/test_gdn.py
+
+
+@pytest.mark.parametrize("family", list(GDN_FORMS), ids=str)
+def test_the_gdn_contract_follows_each_portable_build_at_the_defaults(family: CpuFamily, tmp_path: Path) -> None:
+    """A Qwen3-Next hybrid (GDN 3:1, linear head dim 64, a shared expert) rolled out by the engine as its users launch it,
+    run as each family whose GDN kernels are vLLM's generic code: _C_AVX512 (an AVX-512 CPU without AVX512-BF16: the decode
+    recurrence's multiply-adds fused) and _C_AVX2. The probe tells the builds apart, and compare --contract vllm
+    --compiled is bitwise on every sampled log-prob on 2 FSDP2 ranks. As AVX-512 without BF16, oneDNN's jit GEMM sums the
+    middle row of an odd call apart from the rest: the dump holds such calls, and the contract follows them."""
+    _runnable(family)
+    config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 768, "hidden_size": 128,
+              "intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
+              "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
+              "linear_key_head_dim": 64, "linear_value_head_dim": 64, "linear_num_key_heads": 1, "linear_num_value_heads": 2,
+              "linear_conv_kernel_dim": 4, "num_experts": 5, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+              "shared_expert_intermediate_size": 48, "decoder_sparse_step": 1, "mlp_only_layers": [], "norm_topk_prob": True,
+              "partial_rotary_factor": 0.25, "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6,
+              "tie_word_embeddings": False, "torch_dtype": "bfloat16"}  # fmt: skip
+    (tmp_path / "gdn.json").write_text(json.dumps(config))
+    checkpoint, dump = tmp_path / "ckpt", tmp_path / "dump"
+    run("checkpoint", "--config", str(tmp_path / "gdn.json"), "--layers", "4", "--out", str(checkpoint), "--seed", "9")
+    # five requests: a prefill of 139 rows, then decode steps of 5 (odd calls)
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "3,9,17,40,70", "--max-tokens", "6", "--seed", "4", "--isa", str(family),
+        "--out", str(dump))  # fmt: skip
+    contract = load_dump(str(dump)).contract
+    assert contract["unmatched"] == [] and contract["gdn"]["kernels"] == GDN_FORMS[family], (contract["unmatched"], contract["gdn"])
+    if family == CpuFamily.AVX512:
+        assert any(call.get("apart") for call in contract["linears"]["calls"])
+    lp = compare(checkpoint, dump, "--contract", "vllm", "--compiled", "--world-size", "2")["logprob"]
+    assert lp["generated"]["bitwise_share"] == 1.0 and lp["generated"]["tokens"] == 5 * 6, lp

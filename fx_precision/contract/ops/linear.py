@@ -1,6 +1,7 @@
 """fxp_engine::linear: each row summed in the order of the engine call that computed it (batch_rows.engine_rows,
-linear_order.py) by the linear kernels (linear_kernels.cpp: AMX tiles, work split over outputs, never over K); the
-backward is the linear's gradients in bf16, as autocast's linear has them."""
+linear_order.py; a row the call summed apart, by its index in the call: LinearCall.apart) by the linear kernels
+(linear_kernels.cpp: AMX tiles, work split over outputs, never over K); the backward is the linear's gradients in
+bf16, as autocast's linear has them."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ import torch
 
 from fx_precision.contract.batch_rows import EngineRows, active_rows
 from fx_precision.contract.kernels import engine_kernels
-from fx_precision.contract.linear_order import LinearOrder
+from fx_precision.contract.linear_order import LinearCall, LinearOrder
 from fx_precision.contract.op_context import OpContext
 from fx_precision.contract.ops.forward_state import declare_forward_state
 from fx_precision.errors import PrecisionError
@@ -22,15 +23,16 @@ def _order_struct(order: LinearOrder) -> Any:
     return order.struct()
 
 
-def _row_order(rows: EngineRows, widths: list[int], in_features: int, count: int, where: str) -> LinearOrder:
-    order = next((o for w in widths if (o := rows.orders.order_for(w, in_features, count)) is not None), None)
-    if order is None:
+def _row_call(rows: EngineRows, widths: list[int], in_features: int, count: int, where: str) -> LinearCall:
+    """The call the engine computed ``count`` rows of this linear in (its fused GEMM's where it is one)."""
+    call = next((c for w in widths if (c := rows.orders.call_for(w, in_features, count)) is not None), None)
+    if call is None:
         raise PrecisionError(
             f"engine contract: the engine's linear {widths[-1]}x{in_features} at {where or '<root>'} computed rows in a call of "
             f"{count} rows, and the rollout read no summation order for that call (read: {rows.orders.describe()}); roll out "
             "again with fx-precision rollout of this version, which probes every call the run makes"
         )
-    return order
+    return call
 
 
 @torch.library.custom_op("fxp_engine::linear", mutates_args=())
@@ -59,17 +61,29 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     widths = [w for w in (engine_out, rows.fused.get(where, 0), out_features) if w]  # the fused engine GEMM's, else its own
     w16 = weight.to(torch.bfloat16)
 
-    def computed(part: torch.Tensor, count: int) -> torch.Tensor:
+    def computed(part: torch.Tensor, count: int, index: torch.Tensor | None) -> torch.Tensor:
         if count == 0:
             return torch.nn.functional.linear(part, w16, bias.to(torch.bfloat16) if bias is not None else None)
-        return engine_kernels().linear(part, w16, bias, _order_struct(_row_order(rows, widths, in_features, count, where)))
+        call = _row_call(rows, widths, in_features, count, where)
+        out = engine_kernels().linear(part, w16, bias, _order_struct(call.order))
+        if call.apart:  # rows of the call the engine summed in another order, by their index in it
+            at = rows.logits_at if logits else rows.body_at
+            if at is None:
+                raise PrecisionError(f"fxp_engine.linear at {where or '<root>'}: the engine summed some rows of a {count}-row call apart, "
+                                     "and the row plan holds no row indices; plan the batch with batch_rows.row_plans")  # fmt: skip
+            flat_at = at.reshape(-1) if index is None else at.reshape(-1).index_select(0, index)
+            for row, order in call.apart:
+                picked = (flat_at == row).nonzero().flatten()
+                if picked.numel():
+                    out.index_copy_(0, picked, engine_kernels().linear(part.index_select(0, picked), w16, bias, _order_struct(order)))
+        return out
 
     groups = rows.logits_groups if logits else rows.body_groups
     if len(groups) == 1:  # one engine call size for every row
-        return computed(flat_x.contiguous(), groups[0][0]).reshape(*x.shape[:-1], out_features).to(x.dtype)
+        return computed(flat_x.contiguous(), groups[0][0], None).reshape(*x.shape[:-1], out_features).to(x.dtype)
     out = torch.empty((flat_x.shape[0], out_features), dtype=torch.bfloat16)
     for count, index in groups:
-        out.index_copy_(0, index, computed(flat_x.index_select(0, index), count))
+        out.index_copy_(0, index, computed(flat_x.index_select(0, index), count, index))
     return out.reshape(*x.shape[:-1], out_features).to(x.dtype)
 
 
