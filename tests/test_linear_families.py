@@ -176,3 +176,11 @@ def test_the_probe_reads_a_row_the_engine_summed_apart() -> None:
     assert evidence.record is not None and evidence.record["apart"] == {"3": other.to_dict()}
     read, evidence = read_linear_order(call, w, None, 6, 2, torch.Generator().manual_seed(1))
     assert read is not None and read.order == main and read.apart == (), evidence
+
+    def every_third(x: torch.Tensor) -> torch.Tensor:  # many rows apart, as a thread split might leave them
+        out = kernels.linear(x, w, None, main.struct())
+        out[2::3] = kernels.linear(x[2::3].contiguous(), w, None, other.struct())
+        return out
+
+    read, evidence = read_linear_order(every_third, w, None, 301, 2, torch.Generator().manual_seed(2))
+    assert read is not None and read.order == main and read.apart == tuple((i, other) for i in range(2, 301, 3)), evidence

@@ -398,8 +398,8 @@ def _apart(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: to
            index: torch.Tensor, rows: int) -> tuple[LinearOrder, dict[int, list[LinearOrder]]] | None:  # fmt: skip
     """The call's main order, the one that gives the most of its row indices (``index``: each probed output's row in the
     call), and for each row index it does not give, the orders that do (None: a row no order gives). Every order is
-    tried on the outputs of up to 32 row indices spread over the call, those that give the most of them on all; the
-    rows the main one misses then on their own outputs alone."""
+    tried on the outputs of up to 32 row indices spread over the call, those that give the most of them on all; every
+    order then on the outputs of the rows the main one misses."""
 
     def given(fit: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # [rows] bool: every output of the row given
         return torch.zeros(rows, dtype=torch.int32).index_add_(0, at, (~fit).to(torch.int32)) == 0
@@ -413,15 +413,14 @@ def _apart(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: to
     finalists = [o for o in orders if counts[o] == best][:4]
     whole = {o: given(fit, index) for o, fit in _fits(finalists, x, w, bias, want).items()}
     main = max(finalists, key=lambda o: (int(whole[o].sum()), -finalists.index(o)))
-    apart: dict[int, list[LinearOrder]] = {}
-    for i in (~whole[main]).nonzero().flatten().tolist():
-        mine = index == i
-        kept = [o for o, fit in _fits(orders, x[mine], w[mine], bias[mine] if bias is not None else None, want[mine]).items()
-                if bool(fit.all())]  # fmt: skip
-        if not kept:
-            return None
-        apart[i] = kept
-    return main, apart
+    missed = (~whole[main]).nonzero().flatten()
+    if not missed.numel():
+        return main, {}
+    mine = torch.isin(index, missed)
+    on_missed = _fits(orders, x[mine], w[mine], bias[mine] if bias is not None else None, want[mine])
+    given_by = {o: given(fit, index[mine]) for o, fit in on_missed.items()}
+    apart = {i: [o for o in orders if bool(given_by[o][i])] for i in missed.tolist()}
+    return (main, apart) if all(apart.values()) else None
 
 
 def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, threads: int,
