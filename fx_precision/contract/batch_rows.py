@@ -205,13 +205,17 @@ def row_plans(sequences: Sequence[TokenSequence], engine: dict[str, Any], *, wit
         body_at = tuple(0 if at is None else sum(q for q, _ in in_step[at[0]][: at[1]]) + r - (at[3] - at[2])
                         for r, at in enumerate(computed))  # fmt: skip
         logits, logits_at = [], []
+        prompt_rows: dict[int, list[int]] = {}  # step -> the prompt rows (but the last) it computed: its prompt-log-prob call
+        for q, at in enumerate(found[: max(s.prompt_len - 1, 0)]):
+            if at is not None:
+                prompt_rows.setdefault(at, []).append(q)
         for r in range(len(s.tokens) - 1):
             step = found[r]
             if step is None or not with_logits:
                 logits.append(0)
                 logits_at.append(0)
             elif r < s.prompt_len - 1:
-                prompt = [q for q in range(len(s.tokens)) if found[q] == step and q < s.prompt_len - 1]
+                prompt = prompt_rows[step]
                 logits.append(len(prompt) if prompt_logprobs else 0)  # no prompt log-probs: those rows' logits never computed
                 logits_at.append(r - prompt[0] if prompt_logprobs else 0)
             else:

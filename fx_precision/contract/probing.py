@@ -520,10 +520,10 @@ def _read_apart(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None
         return None, replace(evidence, why="the orders read row by row differ from the engine on other outputs")
     ambiguous = tuple(f"row {i}: {o.describe()}" for i, kept in apart.items() if len(kept) > 1 for o in kept[:2])
     found = LinearCall(n, k, rows, main, tuple(sorted(order_of.items())))
-    kept = keeping(replace(evidence, candidates_left=1, ambiguous=ambiguous), main)
+    kept_main = keeping(replace(evidence, candidates_left=1, ambiguous=ambiguous), main)
     summary = "; ".join(f"row {i}: {o.describe()}" for i, o in found.apart)
-    return found, replace(kept, kept=f"{main.describe()}; apart: {summary}"[:400],
-                          record={**(kept.record or {}), "apart": {str(i): o.to_dict() for i, o in found.apart}})  # fmt: skip
+    return found, replace(kept_main, kept=f"{main.describe()}; apart: {summary}"[:400],
+                          record={**(kept_main.record or {}), "apart": {str(i): o.to_dict() for i, o in found.apart}})  # fmt: skip
 
 
 @contextlib.contextmanager
