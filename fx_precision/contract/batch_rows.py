@@ -48,6 +48,9 @@ class TokenSequence(Protocol):
     def prompt_len(self) -> int: ...
 
 
+NOT_PLANNED = -1  # a row index the plan does not hold (RowPlan.body_at / logits_at): fxp_engine.linear refuses to guess it
+
+
 @dataclass(frozen=True)
 class RowPlan:
     """Per token row of one sequence: the rows of the engine call that computed it (0: never computed), and where
@@ -58,17 +61,17 @@ class RowPlan:
     kv_tiles: tuple[RowTiles, ...] | None = None  # one per token; None: not planned (one tile per row)
     gdn: tuple[int, ...] | None = None  # one per token: the first row of the engine piece that prefilled it, or contract.gdn's
     # GDN_DECODE / GDN_NONE (None: no GatedDeltaNet layer in the model)
-    body_at: tuple[int, ...] | None = None  # one per token: its row index in the engine forward that computed it (None: 0s)
-    logits_at: tuple[int, ...] | None = None  # one per token but the last: its row index in its logits call (None: 0s)
+    body_at: tuple[int, ...] | None = None  # one per token: its row index in the engine forward that computed it
+    logits_at: tuple[int, ...] | None = None  # one per token but the last: its row index in its logits call (None: not planned)
 
     def tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
         """[1, T] int32 each (the logits row of the last token: 0)."""
         return torch.tensor([self.body], dtype=torch.int32), torch.tensor([(*self.logits, 0)], dtype=torch.int32)
 
     def at_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """``body_at`` and ``logits_at`` as [1, T] int32 (0 where not planned)."""
-        body = self.body_at if self.body_at is not None else (0,) * len(self.body)
-        logits = self.logits_at if self.logits_at is not None else (0,) * len(self.logits)
+        """``body_at`` and ``logits_at`` as [1, T] int32 (``NOT_PLANNED`` where the plan holds no row index)."""
+        body = self.body_at if self.body_at is not None else (NOT_PLANNED,) * len(self.body)
+        logits = self.logits_at if self.logits_at is not None else (NOT_PLANNED,) * len(self.logits)
         return torch.tensor([body], dtype=torch.int32), torch.tensor([(*logits, 0)], dtype=torch.int32)
 
 

@@ -275,6 +275,7 @@ def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes:
 PROBE_OUTPUTS = 256  # targeted outputs a linear call is read on (more trials where a call holds fewer rows)
 MAX_TRIALS = 256
 PROBE_ROUNDS = 4  # rounds of trials at most, while two orders still give every probed output
+APART_FINALISTS = 4  # orders tried on every output of a call read apart: those best on the sampled rows
 
 
 def _cancelling_pair(w: torch.Tensor, later: int) -> tuple[int, int] | None:
@@ -398,8 +399,8 @@ def _apart(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: to
            index: torch.Tensor, rows: int) -> tuple[LinearOrder, dict[int, list[LinearOrder]]] | None:  # fmt: skip
     """The call's main order, the one that gives the most of its row indices (``index``: each probed output's row in the
     call), and for each row index it does not give, the orders that do (None: a row no order gives). Every order is
-    tried on the outputs of up to 32 row indices spread over the call, those that give the most of them on all; every
-    order then on the outputs of the rows the main one misses."""
+    tried on the outputs of up to 32 row indices spread over the call, the ``APART_FINALISTS`` that give the most of them
+    on all; every order then on the outputs of the rows the main one misses."""
 
     def given(fit: torch.Tensor, at: torch.Tensor) -> torch.Tensor:  # [rows] bool: every output of the row given
         return torch.zeros(rows, dtype=torch.int32).index_add_(0, at, (~fit).to(torch.int32)) == 0
@@ -410,7 +411,7 @@ def _apart(orders: list[LinearOrder], x: torch.Tensor, w: torch.Tensor, bias: to
     on_sample = _fits(orders, x[sampled], w[sampled], picked_bias, want[sampled])
     counts = {o: int(given(fit, index[sampled])[spread].sum()) for o, fit in on_sample.items()}
     best = max(counts.values())
-    finalists = [o for o in orders if counts[o] == best][:4]
+    finalists = [o for o in orders if counts[o] == best][:APART_FINALISTS]
     whole = {o: given(fit, index) for o, fit in _fits(finalists, x, w, bias, want).items()}
     main = max(finalists, key=lambda o: (int(whole[o].sum()), -finalists.index(o)))
     missed = (~whole[main]).nonzero().flatten()

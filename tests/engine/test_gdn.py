@@ -26,10 +26,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from fx_precision.contract.gdn_form import PORTABLE as PORTABLE_FORM
-from fx_precision.contract.gdn_form import PORTABLE_FMA
-from fx_precision.engines.vllm.cpu_family import FAMILIES, CpuFamily, cpu_flags, runnable_families
+from fx_precision.engines.vllm.cpu_family import CpuFamily
 from fx_precision.tools.checkpoint import write_tiny_checkpoint
+from tests.engine.families import PORTABLE_GDN_BUILDS, skip_unless_runnable
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
@@ -49,28 +48,24 @@ def run(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return done
 
 
-PORTABLE_BUILDS = {CpuFamily.AVX2: ("_C_AVX2", PORTABLE_FORM), CpuFamily.AVX512: ("_C_AVX512", PORTABLE_FMA)}
-
-
-@pytest.mark.parametrize("family", list(PORTABLE_BUILDS), ids=str)
+@pytest.mark.parametrize("family", list(PORTABLE_GDN_BUILDS), ids=str)
 def test_each_portable_builds_gdn_kernels_equal_the_contracts_at_held_out_shapes(family: CpuFamily) -> None:
     """vLLM's generic GDN code as each of its portable builds compiled it: _C_AVX2 (every multiply and add rounded apart)
     and _C_AVX512 (the decode recurrence's multiply-adds fused by the compiler), loaded in a process of their own (the
     builds register the same op names) as the engine run as that family loads them. Each equals its contract kernels
     bit for bit, and the other form's decode parts from it wherever the state is fp32 (a bf16 state's rounding can
     hide a fused multiply-add's last bit at a small shape): the probe tells the two apart."""
-    if family not in runnable_families():
-        pytest.skip(f"this CPU lacks {', '.join(sorted(set(FAMILIES[family].needs) - cpu_flags()))}: no engine here runs as {family}")
+    skip_unless_runnable(family)
     shapes = ["1,2,64,4,bf16", "2,2,128,4,fp32", "3,6,128,3,bf16", "2,8,64,4,fp32"]
     done = subprocess.run([sys.executable, str(Path(__file__).parent / "gdn_ops_check.py"), str(family), *shapes], capture_output=True,
                           text=True, env=ENV, check=False)  # fmt: skip
     assert done.returncode == 0, done.stderr[-3000:]
     result = json.loads(next(line for line in done.stdout.splitlines() if line.startswith("RESULT "))[7:])
-    library, form = PORTABLE_BUILDS[family]
+    library, form = PORTABLE_GDN_BUILDS[family]
     assert library in result["kernels"] and result["build"] == form, result
-    for row in result["shapes"]:
-        assert row["differ"] == [], row
-        assert "decode rule" in row["differ_other"] or row["shape"].endswith("bf16"), row
+    assert all(row["differ"] == [] for row in result["shapes"]), result["shapes"]
+    fp32_state = [row for row in result["shapes"] if row["shape"].endswith("fp32")]
+    assert fp32_state and all("decode rule" in row["differ_other"] for row in fp32_state), result["shapes"]
 
 
 @pytest.mark.skipif(not AVX512, reason="vLLM's AVX-512 build (_C) runs its GDN GEMMs without AMX tiles only on an AVX-512 BF16 "

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from fx_precision.contract.batch_rows import EngineRows, active_rows
+from fx_precision.contract.batch_rows import NOT_PLANNED, EngineRows, active_rows
 from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.linear_order import LinearCall, LinearOrder
 from fx_precision.contract.op_context import OpContext
@@ -33,6 +33,22 @@ def _row_call(rows: EngineRows, widths: list[int], in_features: int, count: int,
             "again with fx-precision rollout of this version, which probes every call the run makes"
         )
     return call
+
+
+def _rows_apart(rows: EngineRows, call: LinearCall, logits: bool, index: torch.Tensor | None,
+                where: str) -> list[tuple[torch.Tensor, LinearOrder]]:  # fmt: skip
+    """The rows of a group (``index``: their flat rows in the batch; None: every row) that their engine call summed apart
+    (``call.apart``), by their index in it (the plan's ``body_at`` / ``logits_at``), each with its order."""
+    if not call.apart:
+        return []
+    at = rows.logits_at if logits else rows.body_at
+    flat_at = None if at is None else (at.reshape(-1) if index is None else at.reshape(-1).index_select(0, index))
+    if flat_at is None or bool((flat_at == NOT_PLANNED).any()):
+        raise PrecisionError(f"fxp_engine.linear at {where or '<root>'}: the engine summed some rows of a {call.rows}-row call apart "
+                             "(LinearCall.apart), and the row plan holds no row indices for them; plan the batch with "
+                             "batch_rows.row_plans, which records each row's index in its engine call")  # fmt: skip
+    picked = [((flat_at == row).nonzero().flatten(), order) for row, order in call.apart]
+    return [(p, order) for p, order in picked if p.numel()]
 
 
 @torch.library.custom_op("fxp_engine::linear", mutates_args=())
@@ -66,16 +82,8 @@ def engine_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
             return torch.nn.functional.linear(part, w16, bias.to(torch.bfloat16) if bias is not None else None)
         call = _row_call(rows, widths, in_features, count, where)
         out = engine_kernels().linear(part, w16, bias, _order_struct(call.order))
-        if call.apart:  # rows of the call the engine summed in another order, by their index in it
-            at = rows.logits_at if logits else rows.body_at
-            if at is None:
-                raise PrecisionError(f"fxp_engine.linear at {where or '<root>'}: the engine summed some rows of a {count}-row call apart, "
-                                     "and the row plan holds no row indices; plan the batch with batch_rows.row_plans")  # fmt: skip
-            flat_at = at.reshape(-1) if index is None else at.reshape(-1).index_select(0, index)
-            for row, order in call.apart:
-                picked = (flat_at == row).nonzero().flatten()
-                if picked.numel():
-                    out.index_copy_(0, picked, engine_kernels().linear(part.index_select(0, picked), w16, bias, _order_struct(order)))
+        for picked, order in _rows_apart(rows, call, logits, index, where):
+            out.index_copy_(0, picked, engine_kernels().linear(part.index_select(0, picked), w16, bias, _order_struct(order)))
         return out
 
     groups = rows.logits_groups if logits else rows.body_groups

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from fx_precision.contract.evidence import CandidateEvidence, keeping
-from fx_precision.contract.gdn_form import AVX512, HEAD_DIMS, PORTABLE, PORTABLE_FMA, GdnForm
+from fx_precision.contract.gdn_form import AVX512, HEAD_DIMS, KERNELS, PORTABLE, PORTABLE_FMA, GdnForm
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
@@ -93,7 +93,7 @@ def probe_gdn(model: Any, kernels: str, gen: torch.Generator) -> tuple[GdnForm |
     record = {"layers": [n for n, _ in layers], "key_heads": heads, "value_heads": value_heads, "head_dim": dim, "conv_width": width,
               "state": state_name, "kernels": kernels}  # fmt: skip
     build = _build_followed(kernels, state_dtype)
-    why = build if build not in (PORTABLE, PORTABLE_FMA, AVX512) else _not_followed(dim, value_dim, state_dtype)
+    why = build if build not in KERNELS else _not_followed(dim, value_dim, state_dtype)
     if why or state_dtype is None:
         return None, CandidateEvidence(why=why or "the engine's layer holds no SSM state", details={"layer": name}), record
     form = GdnForm(build, state_name, EPS)
