@@ -13,6 +13,8 @@ logprobs=0), no prompt log-probs.
       that vector width on FSDP2 x 2 (cpp.simdlen), every sampled log-prob bitwise
     an eager training side, or FSDP2 units without the engine's norm orders (a dump written before they were read),
       are refused in one line before a model is built
+    with --prompt-logprobs, each sample's own prompt log-probs (vLLM returns one sample's for all G), every one
+      bitwise under the contract
 """
 
 from __future__ import annotations
@@ -130,3 +132,19 @@ def test_an_engine_run_as_the_avx2_family_is_followed_at_its_vector_width(tmp_pa
                             "--world-size", "2", "--json").stdout)  # fmt: skip
     lp = report["logprob"]
     assert lp["generated"]["tokens"] == 2 * 2 * 6 and lp["generated"]["bitwise_share"] == 1.0, lp["generated"]
+
+
+def test_each_samples_prompt_logprobs_are_its_own_and_followed(tmp_path: Path) -> None:
+    """G samples of one prompt with prompt log-probs: vLLM computes them per sample (each child request in its own
+    place among the step's requests, the third's prompt cut across two steps) but returns one sample's for all; the
+    rollout records each sample's own, and the contract gives every prompt and sampled log-prob bit for bit."""
+    checkpoint = write_tiny_checkpoint("qwen3", tmp_path / "ckpt", seed=29)
+    run("rollout", "--model", str(checkpoint), "--prompt-lens", "2000", "--samples", "4", "--max-tokens", "4", "--temperature", "1.0",
+        "--seed", "3", "--launch", "defaults", "--prompt-logprobs", "--out", str(tmp_path / "dump"))  # fmt: skip
+    dump = load_dump(str(tmp_path / "dump"))
+    assert dump.engine["prompt_logprobs"] and len(dump.engine["steps"][0]) == 4096  # two prompts and a piece of the third
+    report = json.loads(run("compare", "--model", str(checkpoint), "--rollout", str(tmp_path / "dump"), "--contract", "vllm", "--compiled",
+                            "--json").stdout)  # fmt: skip
+    lp = report["logprob"]
+    assert lp["prompt"]["tokens"] == 4 * 1999 and lp["prompt"]["bitwise_share"] == 1.0, lp["prompt"]
+    assert lp["generated"]["tokens"] == 4 * 4 and lp["generated"]["bitwise_share"] == 1.0, lp["generated"]

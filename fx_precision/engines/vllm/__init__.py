@@ -1,8 +1,11 @@
 """The vLLM adapter (its CPU build, live in this process): the only package that imports vLLM or knows its internals.
 
-session.py   start, generate, record steps, record modules, probe, describe (VllmSession)
-modules.py   vLLM's modules renamed to transformers FQNs
-probes.py    the probes' handles into vLLM (rotary module, fused norm, attention op, linears, weights)
+session.py                  start, generate, record steps, record modules, probe, describe (VllmSession)
+modules.py                  vLLM's modules renamed to transformers FQNs
+probes.py                   the probes' handles into vLLM (rotary module, fused norm, attention op, linears, weights)
+gdn_probe.py                its GatedDeltaNet kernels read against the contract's forms
+cpu_family.py               the CPU family the engine runs as (--isa: kernel build, oneDNN ISA)
+sample_prompt_logprobs.py   each sample's own prompt log-probs (vLLM returns one sample's for all)
 """
 
 from __future__ import annotations

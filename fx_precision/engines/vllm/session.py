@@ -62,6 +62,7 @@ from fx_precision.engines.vllm.probes import (
     probe_moe,
     repack_experts,
 )
+from fx_precision.engines.vllm.sample_prompt_logprobs import ChildPromptLogprobs
 from fx_precision.errors import PrecisionError
 
 if TYPE_CHECKING:
@@ -401,7 +402,7 @@ class VllmSession:
             detokenize=False,  # no per-request seed: the engine's generator, seeded at start
         )  # fmt: skip
         started = time.perf_counter()
-        with StepRecorder(self.model, capture_step=0) as steps, RouteRecorder(self.model, steps) as routes:
+        with StepRecorder(self.model, capture_step=0) as steps, RouteRecorder(self.model, steps) as routes, ChildPromptLogprobs() as own:
             try:
                 outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in request.prompts], params, use_tqdm=False)
             except Exception as exc:  # a kernel the engine has no variant for (e.g. CPU attention at head_dim 8): one line
@@ -411,11 +412,11 @@ class VllmSession:
             self.norm_calls[key] += count
         sequences, logprobs = [], []
         for prompt, out in zip(request.prompts, outputs, strict=True):
-            if request.prompt_logprobs:
-                prompt_lp = [_logprob(entry, prompt[i]) for i, entry in enumerate(out.prompt_logprobs) if i > 0]
-            else:  # not asked (users sample without): placeholders the dump marks as not recorded (engine.prompt_logprobs)
-                prompt_lp = [math.nan] * (len(prompt) - 1)
             for sample in out.outputs:
+                if request.prompt_logprobs:  # the sample's own (out.prompt_logprobs: the last child's, for every sample)
+                    prompt_lp = [_logprob(entry, prompt[i]) for i, entry in enumerate(own.of(out, sample)) if i > 0]
+                else:  # not asked (users sample without): placeholders the dump marks as not recorded (engine.prompt_logprobs)
+                    prompt_lp = [math.nan] * (len(prompt) - 1)
                 generated = list(sample.token_ids)
                 gen_lp = [_logprob(entry, t) for entry, t in zip(sample.logprobs, generated, strict=True)]
                 sequences.append(TokenSequence(tuple(prompt) + tuple(generated), len(prompt)))
