@@ -191,6 +191,29 @@ def _requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: 
     return made
 
 
+RAMP_RISES = (0.5, 2.0, 12.0, 60.0)  # the score's rise from a request's first key to its last, per head in turn
+
+
+def _ramped_requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int, dim: int, gen: torch.Generator) -> list[Any]:
+    """Requests whose scores rise with the key's position (head h by ``RAMP_RISES[h % 4]`` over the keys, slightly
+    noisy): every later KV tile of a row holds larger scores than the earlier ones, so a row's softmax runs against
+    another max in each tile (the max moving where a tile passes it by more than 8, its exponentials taken against the
+    old max below that), and where the engine cut a row's keys shows in its bits. Random scores hide the cuts: their
+    max sits in one tile or another by chance, and a row's bits part on a few rows of a thousand."""
+    group = heads // kv_heads
+    made = []
+    for q_rows, keys in shape:
+        direction = torch.nn.functional.normalize(torch.randn(kv_heads, dim, generator=gen), dim=-1)
+        position = torch.arange(keys, dtype=torch.float32)[:, None, None] / max(keys - 1, 1)
+        k = position * direction + 0.02 * torch.randn(keys, kv_heads, dim, generator=gen)
+        rise = torch.tensor([RAMP_RISES[h % len(RAMP_RISES)] for h in range(heads)])[:, None] * dim**0.5
+        q = rise * direction.repeat_interleave(group, 0) + 0.02 * torch.randn(q_rows, heads, dim, generator=gen)
+        sign = 1.0 - 2.0 * (torch.arange(keys) % 2)[:, None, None]  # near-uniform weights over values of alternate sign:
+        v = sign * (1 + 0.05 * torch.randn(keys, kv_heads, dim, generator=gen))  # an output far smaller than its terms
+        made.append((q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16)))
+    return made
+
+
 def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator,
                     tiling: KvTiling | None = None) -> tuple[AttentionArithmetic | None, AttentionEvidence]:  # fmt: skip
     """The attention arithmetic: the candidates that give every prefill probe's bits (each length alone), narrowed by
@@ -259,10 +282,11 @@ def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes:
     seen = {} if seen is None else seen
     calls = [tuple(shape) for shape in shapes]
     for shape in [c for c in calls if c not in seen][:MAX_RUN_CALLS]:
-        requests = _requests(shape, heads, kv_heads, dim, gen)
-        got = run(requests)
-        wrong = sum(int((_contract_attention(arith, q, k, v, scale, tiles) != want).any(-1).any(-1).sum())
-                    for (q, k, v), want, tiles in zip(requests, got, call_tiles(tiling, shape), strict=True))  # fmt: skip
+        wrong = 0
+        for requests in (_requests(shape, heads, kv_heads, dim, gen), _ramped_requests(shape, heads, kv_heads, dim, gen)):
+            got = run(requests)
+            wrong += sum(int((_contract_attention(arith, q, k, v, scale, tiles) != want).any(-1).any(-1).sum())
+                         for (q, k, v), want, tiles in zip(requests, got, call_tiles(tiling, shape), strict=True))  # fmt: skip
         more = "..." if len(shape) > 3 else ""
         seen[shape] = f"{len(shape)} request(s) {list(shape)[:3]}{more}: {wrong} row(s) differ" if wrong else None
     return RunCallsChecked(len(calls), sum(1 for c in calls if c in seen), tuple(str(seen[c]) for c in calls if seen.get(c)))

@@ -1,7 +1,8 @@
 """vLLM's CPU attention op against the contract's kernel on calls that cross KV tiles and split-KV parts, in a fresh
 process at THREADS engine threads (a vLLM engine started in a process fixes torch's thread count there, so the
 test runs this on its own): ``python attention_tiles_check.py THREADS SPLIT_KV`` prints one JSON object, the rows
-that part per request under the contract's tiles, the rows the one-pass kernel parts, and the most parts a row had."""
+that part per request under the contract's tiles (random and ramped requests: contract/probing.py), the rows the
+one-pass kernel parts on each kind, and the most parts a row had."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ threads, split_kv = int(sys.argv[1]), sys.argv[2] == "on"
 torch.set_num_threads(threads)  # the scheduler and the executor read this process's OpenMP threads
 
 from fx_precision.contract.attention_tiles import KvTiling  # noqa: E402
-from fx_precision.contract.probing import _contract_attention, _requests, call_tiles, match_attention  # noqa: E402
+from fx_precision.contract.probing import _contract_attention, _ramped_requests, _requests, call_tiles, match_attention  # noqa: E402
 from fx_precision.engines.vllm.probes import engine_attention_batch  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-0.6B's attention
@@ -33,12 +34,13 @@ arith, found = match_attention(lambda r: engine_attention_batch(isa, 128, r, DIM
                                torch.Generator().manual_seed(0), tiling)  # fmt: skip
 assert arith is not None, found
 gen = torch.Generator().manual_seed(1)
-tiled, one_pass, parts = [], 0, 0
+tiled, one_pass, parts = [], {"random": 0, "ramped": 0}, 0
 for shape in CALLS:
-    requests = _requests(shape, HEADS, KV_HEADS, DIM, gen)
-    got = engine_attention_batch(isa, 128, requests, DIM**-0.5, split_kv)
-    for (q, k, v), want, tiles in zip(requests, got, call_tiles(tiling, shape), strict=True):
-        parts = max(parts, int(tiles.shape[2]) if tiles is not None else 1)
-        tiled.append(int((_contract_attention(arith, q, k, v, DIM**-0.5, tiles) != want).any(-1).any(-1).sum()))
-        one_pass += int((_contract_attention(arith, q, k, v, DIM**-0.5) != want).any(-1).any(-1).sum())
+    for kind, make in (("random", _requests), ("ramped", _ramped_requests)):
+        requests = make(shape, HEADS, KV_HEADS, DIM, gen)
+        got = engine_attention_batch(isa, 128, requests, DIM**-0.5, split_kv)
+        for (q, k, v), want, tiles in zip(requests, got, call_tiles(tiling, shape), strict=True):
+            parts = max(parts, int(tiles.shape[2]) if tiles is not None else 1)
+            tiled.append(int((_contract_attention(arith, q, k, v, DIM**-0.5, tiles) != want).any(-1).any(-1).sum()))
+            one_pass[kind] += int((_contract_attention(arith, q, k, v, DIM**-0.5) != want).any(-1).any(-1).sum())
 print(json.dumps({"tiled": tiled, "one_pass": one_pass, "parts": parts, "arithmetic": arith.describe()}))
