@@ -27,21 +27,25 @@ _WRAPPED = "vllm.v1.engine.output_processor.RequestState.make_request_output"
 
 
 class ChildPromptLogprobs:
-    """Per sample, the prompt log-probs its own child request computed (see the module docstring)."""
+    """Per sample, the prompt log-probs its own child request computed (see the module docstring); ``wanted`` False
+    (no prompt log-probs asked for): nothing wrapped."""
 
-    def __init__(self) -> None:
+    def __init__(self, wanted: bool = True) -> None:
+        self.wanted = wanted
         self.kept: dict[tuple[str, int], list[Any]] = {}
         self._state: Any = None
         self._original: Any = None
 
     def __enter__(self) -> ChildPromptLogprobs:
+        if not self.wanted:
+            return self
         try:
             from vllm.v1.engine.output_processor import RequestState
         except ImportError:
-            RequestState = None
+            return self  # nothing kept: of() takes a lone sample's from its output, and refuses G > 1
         original = getattr(RequestState, "make_request_output", None)
         if original is None:
-            raise PrecisionError(f"each sample's prompt log-probs are read at {_WRAPPED}, which this vLLM lacks; ask for one sample")
+            return self
         kept = self.kept
 
         def make_request_output(state: Any, *args: Any, **kwargs: Any) -> Any:
@@ -63,11 +67,14 @@ class ChildPromptLogprobs:
             self._state = self._original = None
 
     def of(self, output: Any, sample: Any) -> list[Any]:
-        """The prompt log-probs sample ``sample`` (a ``CompletionOutput`` of ``output``) computed itself."""
+        """The prompt log-probs sample ``sample`` (a ``CompletionOutput`` of ``output``) computed itself: those kept as it
+        finished, or a lone sample's from its output (the only child's); refused where G samples left none kept."""
         key = (str(output.request_id), int(sample.index))
-        if key not in self.kept:
-            raise PrecisionError(
-                f"vLLM's request {key[0]} finished sample {key[1]} without prompt log-probs of its own; roll out again, or ask for "
-                "one sample (--samples 1)"
-            )
-        return self.kept[key]
+        if key in self.kept:
+            return self.kept[key]
+        if len(output.outputs) == 1 and output.prompt_logprobs is not None:
+            return list(output.prompt_logprobs)
+        raise PrecisionError(
+            f"vLLM returned one sample's prompt log-probs for the {len(output.outputs)} samples of request {key[0]}, and this vLLM "
+            f"kept no sample's own ({_WRAPPED} not seen); ask for one sample (--samples 1) or roll out without --prompt-logprobs"
+        )

@@ -402,7 +402,8 @@ class VllmSession:
             detokenize=False,  # no per-request seed: the engine's generator, seeded at start
         )  # fmt: skip
         started = time.perf_counter()
-        with StepRecorder(self.model, capture_step=0) as steps, RouteRecorder(self.model, steps) as routes, ChildPromptLogprobs() as own:
+        own = ChildPromptLogprobs(request.prompt_logprobs)  # each sample's own (out.prompt_logprobs: the last child's, for all)
+        with StepRecorder(self.model, capture_step=0) as steps, RouteRecorder(self.model, steps) as routes, own:
             try:
                 outputs = self.llm.generate([TokensPrompt(prompt_token_ids=list(p)) for p in request.prompts], params, use_tqdm=False)
             except Exception as exc:  # a kernel the engine has no variant for (e.g. CPU attention at head_dim 8): one line
@@ -413,7 +414,7 @@ class VllmSession:
         sequences, logprobs = [], []
         for prompt, out in zip(request.prompts, outputs, strict=True):
             for sample in out.outputs:
-                if request.prompt_logprobs:  # the sample's own (out.prompt_logprobs: the last child's, for every sample)
+                if request.prompt_logprobs:
                     prompt_lp = [_logprob(entry, prompt[i]) for i, entry in enumerate(own.of(out, sample)) if i > 0]
                 else:  # not asked (users sample without): placeholders the dump marks as not recorded (engine.prompt_logprobs)
                     prompt_lp = [math.nan] * (len(prompt) - 1)
