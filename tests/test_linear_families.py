@@ -113,6 +113,23 @@ def test_the_probe_reads_each_family_off_a_kernel_that_sums_in_it(order: LinearO
     assert evidence.kept == order.canonical().describe()
 
 
+@pytest.mark.parametrize("blocks", [(176,), (175, 1), (88, 88), (172, 4)], ids=["in-order", "one-pair-last", "halves", "four-pairs-last"])
+def test_the_probe_tells_a_short_block_at_ks_end_from_k_in_order(blocks: tuple[int, ...]) -> None:
+    """Orders that part only where a block starts late in K (a last block of one pair, summed from 0, against K in
+    order) give the same bits on nearly every random and targeted probe input; the probe's rows at the block starts
+    where its candidates part (probing.boundary_rows) read the order back alone, never two kept as ambiguous."""
+    kernels = engine_kernels()
+    gen = torch.Generator().manual_seed(11)
+    w = (torch.randn(160, 352, generator=gen) * 0.02).to(BF16)
+    order = LinearOrder(LinearKernel.PAIRS, blocks, (len(blocks),))
+
+    def call(x: torch.Tensor) -> torch.Tensor:
+        return kernels.linear(x, w, None, order.struct())
+
+    read, evidence = read_linear_order(call, w, None, 4, 1, torch.Generator().manual_seed(1))
+    assert read is not None and read.order == order.canonical() and not evidence.ambiguous, evidence
+
+
 def test_the_order_families_are_canonical_without_merging_what_sums_otherwise() -> None:
     """A one-pair block is not the previous block's next pair (its adds start from 0), and a one-block third part is
     not the second part's next block (the total adds the second part first); an AMX one-chunk block is the previous

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import math
 import os
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
@@ -299,6 +300,7 @@ def check_attention_calls(run: AttentionRun, arith: AttentionArithmetic, shapes:
 PROBE_OUTPUTS = 256  # targeted outputs a linear call is read on (more trials where a call holds fewer rows)
 MAX_TRIALS = 256
 PROBE_ROUNDS = 4  # rounds of trials at most, while two orders still give every probed output
+SEPARATING_LINEAR_ROUNDS = 2  # then rounds of trials at the block starts where two pairs orders part (boundary_rows)
 APART_FINALISTS = 4  # orders tried on every output of a call read apart: those best on the sampled rows
 
 
@@ -346,6 +348,52 @@ def targeted_rows(weight: torch.Tensor, rows: int, trial: int, gen: torch.Genera
         big = torch.tensor(scale / abs(float(w[i]))).to(torch.bfloat16).float()
         x[m, i] = big * (1 if w[i] > 0 else -1)
         x[m, j] = -big * (1 if w[j] > 0 else -1)
+    return x.to(torch.bfloat16), targets
+
+
+def block_starts(orders: Sequence[LinearOrder]) -> tuple[int, ...]:
+    """The K elements where a VDPBF16PS pairs order among ``orders`` starts a block or part after the first (its pair's
+    even element; the odd one is added first): where two such orders part, if anywhere."""
+    starts: set[int] = set()
+    for order in orders:
+        if order.kernel == LinearKernel.PAIRS:
+            pair = 0
+            for units in order.blocks[:-1]:
+                pair += units
+                starts.add(2 * pair)
+    return tuple(sorted(starts))
+
+
+def boundary_rows(weight: torch.Tensor, rows: int, gen: torch.Generator, starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inputs that tell pairs orders apart at one block start b each (``starts`` in turn): three products, all else 0,
+    a large one early in K, its exact negative at b + 1 (the pair's odd element, added first) and a fraction of the large
+    one's ulp at b. An order that sums on through b cancels the large product and then adds the fraction exactly; one
+    that starts a block (or part) at b sums the block from 0, rounding the fraction on the large product's grid, and
+    adds the block: 0 or one ulp. Random and targeted products leave a block of one pair at K's end unseen. (x, n_m)."""
+    n, k = weight.shape
+    x = torch.zeros(rows, k)
+    targets = torch.empty(rows, dtype=torch.int64)
+    column = int(torch.randint(0, n, (1,), generator=gen))
+    for m in range(rows):
+        b = starts[m % len(starts)]
+        found = None
+        for _ in range(min(n, 256)):  # an output whose weight has one magnitude early in K and at b + 1 (an exact negative)
+            column = (column + 7919) % n
+            w = weight[column].float()
+            if b + 1 < k and w[b] != 0 and w[b + 1] != 0:
+                early = ((w[:b].abs() == w[b + 1].abs()) & (w[:b] != 0)).nonzero().flatten()
+                if early.numel():
+                    found = (column, int(early[0]))
+                    break
+        targets[m] = column
+        if found is None:
+            continue  # a row of zeros: every order gives 0
+        w = weight[column].float()
+        i = found[1]
+        x[m, i] = 2.0**20 * torch.sign(w[i])  # bf16 exactly: the products 2^20 |w_i| and its negative, exact in fp32
+        x[m, b + 1] = -(2.0**20) * torch.sign(w[b + 1])
+        ulp = 2.0 ** (math.floor(math.log2(2.0**20 * float(w[i].abs()))) - 23)
+        x[m, b] = (0.1 + 0.8 * float(torch.rand(1, generator=gen))) * ulp / float(w[b])
     return x.to(torch.bfloat16), targets
 
 
@@ -467,27 +515,33 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
     probed = 0
     last: tuple[torch.Tensor, torch.Tensor] | None = None
     seen_x, seen_cols, seen_want = [], [], []
+    targeted_x: list[torch.Tensor] = []  # the targeted trials' inputs, the latest last
 
-    def trial_round() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
+    def trial_round(starts: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
         nonlocal probed, last
         xs, wants, cols = [], [], []
         for trial in range(trials):
-            x, targets = targeted_rows(weight, rows, trial, gen)
+            x, targets = boundary_rows(weight, rows, gen, starts) if starts else targeted_rows(weight, rows, trial, gen)
             got = call(x.clone())
             if tuple(got.shape) != (rows, n) or got.dtype != torch.bfloat16:
                 return f"the engine's call returned {tuple(got.shape)} {got.dtype} for {rows} rows of {k}: not a bf16 GEMM"
             wants.append(got[torch.arange(rows), targets])
             xs.append(x)
             cols.append(targets)
-            last = (x, got)
+            if not starts:  # the whole call is checked on targeted rows (boundary rows hold three products a row)
+                last = (x, got)
+                targeted_x.append(x)
         probed += rows * trials
         seen_x.extend(xs)
         seen_cols.extend(cols)
         seen_want.extend(wants)
         return torch.cat(xs), torch.cat(cols), torch.cat(wants)
 
-    for _ in range(PROBE_ROUNDS):  # a round of trials; another while two orders give every probed output
-        got_round = trial_round()
+    for round_ in range(PROBE_ROUNDS + SEPARATING_LINEAR_ROUNDS):  # a round of trials; another while two orders give them all
+        starts = block_starts(found) if round_ >= PROBE_ROUNDS else ()
+        if round_ >= PROBE_ROUNDS and not starts:
+            break  # no pairs orders left to part at a block start
+        got_round = trial_round(starts)
         if isinstance(got_round, str):
             return None, LinearCallEvidence(rows, why=got_round)
         all_x, all_cols, want = got_round
@@ -499,7 +553,7 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
     if last is None:
         return None, replace(evidence, why="no order of the families tried gives the engine's bits")
     if not found:
-        return _read_apart(call, weight, bias, rows, families, (seen_x, seen_cols, seen_want), trial_round, evidence)
+        return _read_apart(call, weight, bias, rows, families, (seen_x, seen_cols, seen_want), targeted_x, trial_round, evidence)
     x, got = last
     with _all_threads():
         whole = [o for o in found[:2] if torch.equal(kernels.linear(x, weight, bias, o.struct()), got)]
@@ -510,11 +564,12 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _read_apart(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, families: list[LinearOrder],
-                seen: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+                seen: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], targeted_x: list[torch.Tensor],
                 trial_round: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str],
                 evidence: LinearCallEvidence) -> tuple[LinearCall | None, LinearCallEvidence]:  # fmt: skip
     """``read_linear_order`` where no one order gives every row of the call: each row index read apart on every output
-    probed so far (``seen``), more rounds while an index is given by more than one order, then the whole call checked."""
+    probed so far (``seen``), more rounds while an index is given by more than one order, then the whole call checked on
+    the latest targeted trial's rows (``targeted_x``)."""
     from fx_precision.contract.kernels import engine_kernels
 
     n, k = weight.shape
@@ -534,7 +589,7 @@ def _read_apart(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None
     if read is None:
         return None, replace(evidence, why="no order of the families tried gives the engine's bits, one row or another")
     main, apart = read
-    x = xs[-1]
+    x = targeted_x[-1]
     got = call(x.clone())
     order_of = {i: kept[0] for i, kept in apart.items()}
     with _all_threads():
