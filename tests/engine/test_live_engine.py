@@ -229,9 +229,8 @@ def test_a_sampled_group_at_a_temperature_is_bitwise_in_either_log_prob_mode(rol
         report = compare(rollout["qwen3"], dump, "--contract", "vllm")
         lp = report["logprob"]
         assert lp["prompt"]["bitwise_share"] == 1.0 and lp["generated"]["bitwise_share"] == 1.0, (mode, lp)
-        # a note may say that two summation orders gave the probe's inputs one result (the VDPBF16PS family at a few rows):
-        # it kept one, and every log-prob is bitwise; any other note is a failure
-        notes = [n for n in report["contract_notes"] if "could not tell two summation orders apart" not in n]
+        # no note: two pairs orders that part only at a late block start are told apart by the probe's boundary rows
+        notes = report["contract_notes"]
         assert lp["generated"]["tokens"] == 6 * 6 and not notes, notes
 
 
