@@ -15,7 +15,7 @@ import torch
 
 from fx_precision.contract.kernels import engine_kernels
 from fx_precision.contract.linear_order import LinearKernel, LinearOrder, candidate_orders
-from fx_precision.contract.probing import linear_families, read_linear_order
+from fx_precision.contract.probing import block_starts, boundary_rows, linear_families, read_linear_order
 from fx_precision.engines.vllm.cpu_family import CpuFamily, family_settings, native_family, runnable_families
 from fx_precision.errors import PrecisionError
 
@@ -128,6 +128,26 @@ def test_the_probe_tells_a_short_block_at_ks_end_from_k_in_order(blocks: tuple[i
 
     read, evidence = read_linear_order(call, w, None, 4, 1, torch.Generator().manual_seed(1))
     assert read is not None and read.order == order.canonical() and not evidence.ambiguous, evidence
+
+
+@pytest.mark.parametrize("blocks", [(1, 175), (175, 1), (60, 60, 56)], ids=["one-pair-first", "one-pair-last", "thirds"])
+def test_boundary_rows_part_every_row_where_no_two_weights_share_a_magnitude(blocks: tuple[int, ...]) -> None:
+    """The boundary rows cancel their large product by crossing two weights, not by finding two of one magnitude: on a
+    weight whose every row holds 352 distinct magnitudes over 40 binades, every probed output parts a pairs order with
+    a block start from K in order, at a start as early as K's second pair."""
+    kernels = engine_kernels()
+    gen = torch.Generator().manual_seed(5)
+    mantissas = 1 + torch.randperm(128, generator=gen)[:9].float() / 128
+    magnitudes = torch.stack([mantissas * 2.0**-e for e in range(40)]).flatten()[:352]  # bf16 exactly, each distinct
+    w = torch.stack([magnitudes[torch.randperm(352, generator=gen)] for _ in range(24)])
+    w = (w * torch.where(torch.rand(24, 352, generator=gen) < 0.5, -1.0, 1.0)).to(BF16)
+    assert all(w[r].float().abs().unique().numel() == 352 for r in range(24))
+    blocked, in_order = LinearOrder(LinearKernel.PAIRS, blocks, (len(blocks),)), LinearOrder.sequential(352, LinearKernel.PAIRS)
+    x, targets = boundary_rows(w, 32, gen, block_starts([blocked, in_order]))
+    rows = torch.arange(32)
+    got_blocked = kernels.linear(x, w, None, blocked.struct())[rows, targets]
+    got_in_order = kernels.linear(x, w, None, in_order.struct())[rows, targets]
+    assert bool((got_blocked != got_in_order).all()), (got_blocked, got_in_order)
 
 
 def test_the_order_families_are_canonical_without_merging_what_sums_otherwise() -> None:

@@ -366,34 +366,26 @@ def block_starts(orders: Sequence[LinearOrder]) -> tuple[int, ...]:
 
 def boundary_rows(weight: torch.Tensor, rows: int, gen: torch.Generator, starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Inputs that tell pairs orders apart at one block start b each (``starts`` in turn): three products, all else 0,
-    a large one early in K, its exact negative at b + 1 (the pair's odd element, added first) and a fraction of the large
-    one's ulp at b. An order that sums on through b cancels the large product and then adds the fraction exactly; one
-    that starts a block (or part) at b sums the block from 0, rounding the fraction on the large product's grid, and
-    adds the block: 0 or one ulp. Random and targeted products leave a block of one pair at K's end unseen. (x, n_m)."""
+    a large one L at a random i early in K, its exact negative at b + 1 (the pair's odd element, added first) and a
+    fraction of L's ulp at b. An order that sums on through b cancels L and then adds the fraction exactly; one that
+    starts a block (or part) at b sums the block from 0, rounding the fraction on L's grid, and adds the block: 0 or
+    one ulp. The two large products cross their weights, x_i = c |w_(b+1)| and x_(b+1) = -c |w_i| (signs to match,
+    c a power of two that puts L in [1, 2)), so they cancel exactly for any two nonzero weights; random and targeted
+    products leave a block of one pair at K's end unseen. (x, n_m)."""
     n, k = weight.shape
     x = torch.zeros(rows, k)
-    targets = torch.empty(rows, dtype=torch.int64)
-    column = int(torch.randint(0, n, (1,), generator=gen))
+    targets = torch.randint(0, n, (rows,), generator=gen)
     for m in range(rows):
         b = starts[m % len(starts)]
-        found = None
-        for _ in range(min(n, 256)):  # an output whose weight has one magnitude early in K and at b + 1 (an exact negative)
-            column = (column + 7919) % n
-            w = weight[column].float()
-            if b + 1 < k and w[b] != 0 and w[b + 1] != 0:
-                early = ((w[:b].abs() == w[b + 1].abs()) & (w[:b] != 0)).nonzero().flatten()
-                if early.numel():
-                    found = (column, int(early[0]))
-                    break
-        targets[m] = column
-        if found is None:
-            continue  # a row of zeros: every order gives 0
-        w = weight[column].float()
-        i = found[1]
-        x[m, i] = 2.0**20 * torch.sign(w[i])  # bf16 exactly: the products 2^20 |w_i| and its negative, exact in fp32
-        x[m, b + 1] = -(2.0**20) * torch.sign(w[b + 1])
-        ulp = 2.0 ** (math.floor(math.log2(2.0**20 * float(w[i].abs()))) - 23)
-        x[m, b] = (0.1 + 0.8 * float(torch.rand(1, generator=gen))) * ulp / float(w[b])
+        w = weight[int(targets[m])].float()
+        early = (w[:b] != 0).nonzero().flatten()
+        if b + 1 >= k or w[b] == 0 or w[b + 1] == 0 or not early.numel():
+            continue  # a row of zeros: every order gives 0 (the other rows part the orders)
+        i = int(early[int(torch.randint(0, early.numel(), (1,), generator=gen))])
+        c = 2.0 ** -math.floor(math.log2(float(w[i].abs() * w[b + 1].abs())))  # L = c |w_i w_(b+1)| in [1, 2)
+        x[m, i] = c * w[b + 1].abs() * w[i].sign()  # bf16 exactly (a bf16 weight times a power of two)
+        x[m, b + 1] = -c * w[i].abs() * w[b + 1].sign()
+        x[m, b] = (0.1 + 0.8 * float(torch.rand(1, generator=gen))) * 2.0**-23 / float(w[b])  # a fraction of L's ulp
     return x.to(torch.bfloat16), targets
 
 
