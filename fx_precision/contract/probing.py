@@ -354,14 +354,8 @@ def targeted_rows(weight: torch.Tensor, rows: int, trial: int, gen: torch.Genera
 def block_starts(orders: Sequence[LinearOrder]) -> tuple[int, ...]:
     """The K elements where a VDPBF16PS pairs order among ``orders`` starts a block or part after the first (its pair's
     even element; the odd one is added first): where two such orders part, if anywhere."""
-    starts: set[int] = set()
-    for order in orders:
-        if order.kernel == LinearKernel.PAIRS:
-            pair = 0
-            for units in order.blocks[:-1]:
-                pair += units
-                starts.add(2 * pair)
-    return tuple(sorted(starts))
+    pairs = (order for order in orders if order.kernel == LinearKernel.PAIRS)
+    return tuple(sorted({LinearKernel.PAIRS.unit * pair for order in pairs for pair in itertools.accumulate(order.blocks[:-1])}))
 
 
 def boundary_rows(weight: torch.Tensor, rows: int, gen: torch.Generator, starts: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -379,7 +373,7 @@ def boundary_rows(weight: torch.Tensor, rows: int, gen: torch.Generator, starts:
         b = starts[m % len(starts)]
         w = weight[int(targets[m])].float()
         early = (w[:b] != 0).nonzero().flatten()
-        if b + 1 >= k or w[b] == 0 or w[b + 1] == 0 or not early.numel():
+        if w[b] == 0 or w[b + 1] == 0 or not early.numel():  # b + 1 < K: a block start is a pair's even element
             continue  # a row of zeros: every order gives 0 (the other rows part the orders)
         i = int(early[int(torch.randint(0, early.numel(), (1,), generator=gen))])
         c = 2.0 ** -math.floor(math.log2(float(w[i].abs() * w[b + 1].abs())))  # L = c |w_i w_(b+1)| in [1, 2)
@@ -493,7 +487,7 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
     """What the engine's linear ``call`` sums in when it holds ``rows`` rows (contract/linear_order.py).
     Trials of targeted inputs gather ``PROBE_OUTPUTS`` probed outputs; every candidate of every family this CPU's
     engine can run (``linear_families``) is computed for those outputs and kept when it gives all their bits; what is
-    left is then run whole (every output of the last trial, by the kernel the training side runs) before one is
+    left is then run whole (every output of the last targeted trial, by the kernel the training side runs) before one is
     returned. Orders that still agree are recorded. Where no one order gives every row, the rows are read apart: the
     order that gives the most row indices of the call, and for each other index the order that gives it (more rounds of
     trials while one agrees with another there); the whole call is then run as so read."""
@@ -505,12 +499,11 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
     families, not_tried = linear_families(k, threads, bias is not None, n)
     found = families
     probed = 0
-    last: tuple[torch.Tensor, torch.Tensor] | None = None
     seen_x, seen_cols, seen_want = [], [], []
-    targeted_x: list[torch.Tensor] = []  # the targeted trials' inputs, the latest last
+    targeted: list[tuple[torch.Tensor, torch.Tensor]] = []  # the targeted trials' (x, engine's output), the latest last
 
     def trial_round(starts: Sequence[int] = ()) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str:
-        nonlocal probed, last
+        nonlocal probed
         xs, wants, cols = [], [], []
         for trial in range(trials):
             x, targets = boundary_rows(weight, rows, gen, starts) if starts else targeted_rows(weight, rows, trial, gen)
@@ -521,8 +514,7 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
             xs.append(x)
             cols.append(targets)
             if not starts:  # the whole call is checked on targeted rows (boundary rows hold three products a row)
-                last = (x, got)
-                targeted_x.append(x)
+                targeted.append((x, got))
         probed += rows * trials
         seen_x.extend(xs)
         seen_cols.extend(cols)
@@ -530,8 +522,9 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
         return torch.cat(xs), torch.cat(cols), torch.cat(wants)
 
     for round_ in range(PROBE_ROUNDS + SEPARATING_LINEAR_ROUNDS):  # a round of trials; another while two orders give them all
-        starts = block_starts(found) if round_ >= PROBE_ROUNDS else ()
-        if round_ >= PROBE_ROUNDS and not starts:
+        separating = round_ >= PROBE_ROUNDS
+        starts = block_starts(found) if separating else ()
+        if separating and not starts:
             break  # no pairs orders left to part at a block start
         got_round = trial_round(starts)
         if isinstance(got_round, str):
@@ -542,11 +535,11 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
         if len(found) <= 1:
             break
     evidence = LinearCallEvidence(rows, probed, len(found), dict(not_tried))
-    if last is None:
+    if not targeted:
         return None, replace(evidence, why="no order of the families tried gives the engine's bits")
     if not found:
-        return _read_apart(call, weight, bias, rows, families, (seen_x, seen_cols, seen_want), targeted_x, trial_round, evidence)
-    x, got = last
+        return _read_apart(call, weight, bias, rows, families, (seen_x, seen_cols, seen_want), targeted, trial_round, evidence)
+    x, got = targeted[-1]
     with _all_threads():
         whole = [o for o in found[:2] if torch.equal(kernels.linear(x, weight, bias, o.struct()), got)]
     if not whole:
@@ -556,12 +549,13 @@ def read_linear_order(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor 
 
 
 def _read_apart(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None, rows: int, families: list[LinearOrder],
-                seen: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]], targeted_x: list[torch.Tensor],
+                seen: tuple[list[torch.Tensor], list[torch.Tensor], list[torch.Tensor]],
+                targeted: list[tuple[torch.Tensor, torch.Tensor]],
                 trial_round: Callable[[], tuple[torch.Tensor, torch.Tensor, torch.Tensor] | str],
                 evidence: LinearCallEvidence) -> tuple[LinearCall | None, LinearCallEvidence]:  # fmt: skip
     """``read_linear_order`` where no one order gives every row of the call: each row index read apart on every output
     probed so far (``seen``), more rounds while an index is given by more than one order, then the whole call checked on
-    the latest targeted trial's rows (``targeted_x``)."""
+    the latest targeted trial's rows (``targeted``, which ``trial_round`` extends)."""
     from fx_precision.contract.kernels import engine_kernels
 
     n, k = weight.shape
@@ -581,7 +575,7 @@ def _read_apart(call: LinearRun, weight: torch.Tensor, bias: torch.Tensor | None
     if read is None:
         return None, replace(evidence, why="no order of the families tried gives the engine's bits, one row or another")
     main, apart = read
-    x = targeted_x[-1]
+    x = targeted[-1][0]
     got = call(x.clone())
     order_of = {i: kept[0] for i, kept in apart.items()}
     with _all_threads():
