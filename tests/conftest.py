@@ -16,18 +16,21 @@ from collections.abc import Iterator
 
 import pytest
 
-# Under pytest-xdist (`-n 2`) each worker takes its share of the cores: torch's threads, its spawned ranks'
-# (OMP_NUM_THREADS is inherited) and Inductor's compile workers (one in-process compile, no worker pool to
-# start). Set before torch is imported, so every layer reads it.
-if os.environ.get("PYTEST_XDIST_WORKER"):
-    _share = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
-    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
-
 _COUNTS: dict[str, int] = {}
 ENGINE = importlib.util.find_spec("vllm") is not None
 # tests/engine needs a live vLLM: collected in the engine environment only (python -m fx_precision.tools.engine_env)
 collect_ignore = [] if ENGINE else ["engine"]
+
+# Under pytest-xdist (`-n 2`) each worker takes its share of the cores: torch's threads, its spawned ranks'
+# (OMP_NUM_THREADS is inherited) and Inductor's compile workers (one in-process compile, no worker pool to
+# start). Set before torch is imported, so every layer reads it. Not in the engine environment: there the thread
+# counts are what the tests are about (the engine's as users launch it, the trainer's ranks' as they take them), so
+# its workers share the cores instead of each running on fewer threads (they overlap the engine's one-threaded
+# start and compile; README, Tests).
+if os.environ.get("PYTEST_XDIST_WORKER") and not ENGINE:
+    _share = max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))))
+    os.environ.setdefault("OMP_NUM_THREADS", str(_share))
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", "1")
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:
@@ -104,5 +107,6 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
     if not ENGINE:
         terminalreporter.write_line(
             "fx_precision: tests/engine not collected: vLLM is not installed here; they run in the engine environment "
-            "(python -m fx_precision.tools.engine_env .venv-engine && .venv-engine/bin/python -m pytest tests/engine -q)"
+            "(python -m fx_precision.tools.engine_env .venv-engine && "
+            ".venv-engine/bin/python -m pytest tests/engine -q -n 2 --dist loadfile)"
         )

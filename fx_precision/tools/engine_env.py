@@ -8,8 +8,8 @@
     ├── - torchvision, torchaudio, torchcodec
     │                             the index has only CUDA builds of these; importing transformers
     │                             models with them present fails (operator torchvision::nms does not exist)
-    └── the project, editable, with pytest and hypothesis (not the dev extra: its transformers floor
-        is the main environment's, and vLLM holds its own)
+    └── the project, editable, with pytest, pytest-xdist and hypothesis (not the dev extra: its
+        transformers floor is the main environment's, and vLLM holds its own)
 
 The main environment never imports vLLM: ``fx-precision rollout`` runs here, writes a dump, and the
 main environment's ``fx-precision compare`` reads it. Without torchvision vLLM cannot import Qwen3.5 (its
@@ -46,7 +46,7 @@ def steps(directory: Path, vllm: str, torch_version: str) -> list[list[str]]:
         [*pip, f"torch=={torch_version}"],
         [*pip, vllm],
         [str(directory / "bin" / "python"), "-m", "pip", "uninstall", "--quiet", "-y", *CUDA_ONLY],
-        [*pip, "-e", str(REPO), "pytest>=8", "hypothesis>=6.100"],
+        [*pip, "-e", str(REPO), "pytest>=8", "pytest-xdist>=3.5", "hypothesis>=6.100"],
         [str(directory / "bin" / "python"), "-c", "import vllm, fx_precision, transformers; print('vllm', vllm.__version__)"],
     ]
 

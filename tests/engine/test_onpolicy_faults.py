@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -27,6 +28,7 @@ from typing import Any
 import pytest
 import torch
 
+from fx_precision.engines.weights_file import PREFIX
 from fx_precision.tools.checkpoint import write_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
@@ -67,6 +69,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _owner(path: Path) -> int | None:
+    """The pid a weights file names as its owner (``weights_file``: fxp-engine-<owner pid>-<n>.safetensors)."""
+    found = re.match(rf"^\.?{re.escape(PREFIX)}(\d+)-", path.name)
+    return int(found.group(1)) if found else None
+
+
 def _alive(pid: int) -> bool:
     status = Path("/proc") / str(pid) / "status"
     try:
@@ -85,7 +93,7 @@ class Run:
         launch = () if defaults else ("--engine-launch", "eager", "--no-compiled")
         args = ["onpolicy", "--model", str(checkpoint), "--out", str(out), "--samples", "2", "--max-tokens", "4", "--prompt-lens",
                 "8,12", *launch, *extra]  # fmt: skip
-        self.shm_before = set(SHM.glob("*fxp-*"))
+        self.shm_before = set(SHM.glob(f"*{PREFIX}*"))
         self.proc = subprocess.Popen([*CLI, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV,
                                      start_new_session=True)  # fmt: skip
         self.seen: set[int] = set()
@@ -114,7 +122,8 @@ class Run:
         time.sleep(5)
         left = [pid for pid in self.seen if _alive(pid)]
         assert not left, f"processes outlived the run: {[_cmdline(p)[:120] for p in left]}"
-        leaked = set(SHM.glob("*fxp-*")) - self.shm_before
+        ours = {self.proc.pid} | self.seen  # a run of another test (pytest-xdist) may hold its own file meanwhile
+        leaked = {p for p in set(SHM.glob(f"*{PREFIX}*")) - self.shm_before if _owner(p) in ours}
         assert not leaked, f"left in shared memory: {leaked}"
         lines = [line for line in err.strip().splitlines() if line.strip()]
         assert "Traceback" not in err, err[-3000:]
