@@ -2,6 +2,7 @@
 
     memory_backed_dir()           /dev/shm where it is writable, else the temp directory
     weights_file_name(owner)      fxp-engine-<owner pid>-<n>.safetensors: whose it is, in its name
+    owner_of(path)                that owner pid (None: not a weights file's name)
     write_weights(weights, file)  written beside ``file`` and renamed into place (the engine never reads half a file)
     remove_stale(directory)       the files of owners that are gone (a run killed before it could remove its own)
 
@@ -38,13 +39,21 @@ def weights_file_name(owner: int | None = None) -> str:
     return f"{PREFIX}{owner or os.getpid()}-{next(_COUNTER)}.safetensors"
 
 
+_NAME = re.compile(rf"^\.?{re.escape(PREFIX)}(\d+)-\d+\.safetensors(\.writing)?$")
+
+
+def owner_of(path: Path) -> int | None:
+    """The pid a weights file (or a half-written one) names as its owner; None where ``path`` is not one."""
+    found = _NAME.match(path.name)
+    return int(found.group(1)) if found else None
+
+
 def remove_stale(directory: Path) -> list[Path]:
     """Remove weights files (and half-written ones) in ``directory`` whose owner process is gone; returns them."""
     removed = []
-    pattern = re.compile(rf"^\.?{re.escape(PREFIX)}(\d+)-\d+\.safetensors(\.writing)?$")
     for path in directory.glob(f"*{PREFIX}*"):
-        found = pattern.match(path.name)
-        if found and not process_alive(int(found.group(1))):
+        owner = owner_of(path)
+        if owner is not None and not process_alive(owner):
             path.unlink(missing_ok=True)
             removed.append(path)
     return removed

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -28,7 +27,7 @@ from typing import Any
 import pytest
 import torch
 
-from fx_precision.engines.weights_file import PREFIX
+from fx_precision.engines.weights_file import PREFIX, owner_of
 from fx_precision.tools.checkpoint import write_tiny_checkpoint
 
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
@@ -67,12 +66,6 @@ def _cmdline(pid: int) -> str:
         return (Path("/proc") / str(pid) / "cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return ""
-
-
-def _owner(path: Path) -> int | None:
-    """The pid a weights file names as its owner (``weights_file``: fxp-engine-<owner pid>-<n>.safetensors)."""
-    found = re.match(rf"^\.?{re.escape(PREFIX)}(\d+)-", path.name)
-    return int(found.group(1)) if found else None
 
 
 def _alive(pid: int) -> bool:
@@ -123,7 +116,7 @@ class Run:
         left = [pid for pid in self.seen if _alive(pid)]
         assert not left, f"processes outlived the run: {[_cmdline(p)[:120] for p in left]}"
         ours = {self.proc.pid} | self.seen  # a run of another test (pytest-xdist) may hold its own file meanwhile
-        leaked = {p for p in set(SHM.glob(f"*{PREFIX}*")) - self.shm_before if _owner(p) in ours}
+        leaked = {p for p in set(SHM.glob(f"*{PREFIX}*")) - self.shm_before if owner_of(p) in ours or owner_of(p) is None}
         assert not leaked, f"left in shared memory: {leaked}"
         lines = [line for line in err.strip().splitlines() if line.strip()]
         assert "Traceback" not in err, err[-3000:]
