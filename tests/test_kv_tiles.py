@@ -86,11 +86,16 @@ def _bf16(x: float) -> float:
 
 
 def _reference_row(q: list[float], keys: list[list[float]], values: list[list[float]], scale: float,
-                   parts: tuple[tuple[int, int, int, int], ...]) -> list[float]:  # fmt: skip
+                   parts: tuple[tuple[int, int, int, int], ...], merge_fma: bool = True) -> list[float]:  # fmt: skip
     """One causal row over ``keys`` (all of them its own) as attention_kernels.cpp's comment describes vec attention
     (fma scores, glibc expf, the AVX-512 lane reduction, fp32 P, fused P.V, a nearest-even store), with KV tiles and
-    split-KV parts: a scalar transcription, float32 rounding after every operation (double rounding of one add,
-    multiply or divide of floats is exact)."""
+    split-KV parts, the tiles' rescale and the parts' merge fused or (``merge_fma`` False, vLLM's AVX2 build)
+    multiplied then added: a scalar transcription, float32 rounding after every operation (double rounding of one
+    add, multiply or divide of floats is exact)."""
+
+    def fused(a: float, b: float, c: float) -> float:  # a * b + c as the build computes it
+        return float(LIBM.fmaf(a, b, c)) if merge_fma else _f32(_f32(a * b) + c)
+
     scale32 = _f32(scale)
     qs = [_f32(x * scale32) for x in q]
     scores = []
@@ -121,7 +126,7 @@ def _reference_row(q: list[float], keys: list[list[float]], values: list[list[fl
             tile_sum = _f32(_f32(s4[0] + s4[2]) + _f32(s4[1] + s4[3]))
             if rescale:
                 f = LIBM.expf(shift)
-                total = LIBM.fmaf(f, total, tile_sum)
+                total = fused(f, total, tile_sum)
                 acc = acc if first_tile else [_f32(a * f) for a in acc]
                 m = tile_max
             else:
@@ -135,10 +140,10 @@ def _reference_row(q: list[float], keys: list[list[float]], values: list[list[fl
         big_m, big_l, big_o = merged
         if big_m > m:
             f = LIBM.expf(_f32(m - big_m))
-            merged = (big_m, LIBM.fmaf(total, f, big_l), [LIBM.fmaf(a, f, o) for a, o in zip(acc, big_o, strict=True)])
+            merged = (big_m, fused(total, f, big_l), [fused(a, f, o) for a, o in zip(acc, big_o, strict=True)])
         else:
             f = LIBM.expf(_f32(big_m - m))
-            merged = (m, LIBM.fmaf(big_l, f, total), [LIBM.fmaf(o, f, a) for a, o in zip(acc, big_o, strict=True)])
+            merged = (m, fused(big_l, f, total), [fused(o, f, a) for a, o in zip(acc, big_o, strict=True)])
     assert merged is not None
     inv = _f32(1.0 / merged[1])
     return [_bf16(_f32(inv * a)) for a in merged[2]]
@@ -150,11 +155,14 @@ def _reference_row(q: list[float], keys: list[list[float]], values: list[list[fl
     ((0, 64, 0, 32), (64, NO_END, 64, 32)),  # two split-KV parts, merged
     ((0, 32, 0, 0), (32, 96, 32, 32), (96, NO_END, 96, 0)),  # three, the middle one in two tiles
 ], ids=["one-tile", "tiles", "two-parts", "three-parts"])  # fmt: skip
-def test_the_kernels_online_softmax_is_its_description_bit_for_bit(parts: tuple[tuple[int, int, int, int], ...]) -> None:
+@pytest.mark.parametrize("merge_fma", [True, False], ids=["fused-merge", "mul-add-merge"])
+def test_the_kernels_online_softmax_is_its_description_bit_for_bit(parts: tuple[tuple[int, int, int, int], ...], merge_fma: bool) -> None:
     """Rows over 120 keys whose scores jump by more than 8 in one tile (a rescale) and by less in another (the lazy
-    max): the kernel's output is the scalar transcription's for every head dim of the rows checked, and tiles and
-    parts change some rows' bits (they move fp32 sums by an ulp or so, which a bf16 store shows now and then: 2048
-    rows, each seeing every key)."""
+    max): the kernel's output is the scalar transcription's for every head dim of the rows checked, with the tiles'
+    rescale and the parts' merge fused (the AVX-512 builds) or multiplied then added (vLLM's AVX2 build, which vLLM
+    compiles without FMA); tiles and parts change some rows' bits (they move fp32 sums by an ulp or so, which a bf16
+    store shows now and then: 2048 rows, each seeing every key), and so does the merge's form where a row has parts
+    or a rescale."""
     gen = torch.Generator().manual_seed(3)
     S, D, T = 120, 32, 2048
     k = torch.randn(1, S, 1, D, generator=gen)
@@ -163,13 +171,36 @@ def test_the_kernels_online_softmax_is_its_description_bit_for_bit(parts: tuple[
     q = (torch.randn(1, T, 1, D, generator=gen) * 2).to(torch.bfloat16)
     k, v = k.to(torch.bfloat16), torch.randn(1, S, 1, D, generator=gen).to(torch.bfloat16)
     tiles = torch.tensor(list(parts), dtype=torch.int32).repeat(1, T, 1, 1)
-    variant = attention_variant(**VARIANT)
+    variant = attention_variant(**VARIANT, merge_fma=merge_fma)
     got = engine_kernels().attention(q, k, v, torch.tensor([S]), None, D**-0.5, False, -1, 0, variant, kv_tiles=tiles)
     keys, values = k[0, :, 0].float().tolist(), v[0, :, 0].float().tolist()
     for t in range(4):
-        assert got[0, t, 0].float().tolist() == _reference_row(q[0, t, 0].float().tolist(), keys, values, D**-0.5, parts), t
+        want = _reference_row(q[0, t, 0].float().tolist(), keys, values, D**-0.5, parts, merge_fma)
+        assert got[0, t, 0].float().tolist() == want, t
     one_pass = engine_kernels().attention(q, k, v, torch.tensor([S]), None, D**-0.5, False, -1, 0, variant)
     assert torch.equal(got, one_pass) == (parts == ONE_TILE)
+
+
+def test_the_merges_form_shows_in_the_rows_it_parts_and_each_is_its_description() -> None:
+    """Split-KV parts merged fused (the AVX-512 builds) and multiplied then added (vLLM's AVX2 build): the two part
+    some rows' bits (an fp32 ulp that the bf16 store shows now and then: 4096 rows of 64 dims), and on those rows
+    each form is its scalar transcription."""
+    gen = torch.Generator().manual_seed(5)
+    S, D, T = 120, 64, 4096
+    parts = ((0, 64, 0, 0), (64, NO_END, 64, 0))
+    k, v = (torch.randn(1, S, 1, D, generator=gen).to(torch.bfloat16) for _ in range(2))
+    q = (torch.randn(1, T, 1, D, generator=gen) * 2).to(torch.bfloat16)
+    tiles = torch.tensor(list(parts), dtype=torch.int32).repeat(1, T, 1, 1)
+    out = {fused: engine_kernels().attention(q, k, v, torch.tensor([S]), None, D**-0.5, False, -1, 0,
+                                             attention_variant(**VARIANT, merge_fma=fused), kv_tiles=tiles)
+           for fused in (True, False)}  # fmt: skip
+    parted = (out[True] != out[False]).flatten(2).any(-1)[0].nonzero().flatten().tolist()
+    assert parted, "the merge's two forms gave the same bits on every row"
+    keys, values = k[0, :, 0].float().tolist(), v[0, :, 0].float().tolist()
+    for t in parted[:2]:
+        for fused in (True, False):
+            want = _reference_row(q[0, t, 0].float().tolist(), keys, values, D**-0.5, parts, fused)
+            assert out[fused][0, t, 0].float().tolist() == want, (t, fused)
 
 
 @pytest.mark.parametrize("variant", [

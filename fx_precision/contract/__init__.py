@@ -95,29 +95,34 @@ class AttentionArithmetic:
     p_bf16: bool = True  # probabilities rounded to bf16 before P.V (AMX)
     fma: bool = False  # fused multiply-adds in the fp32 dot products (vec)
     store: Rounding = Rounding.NEAREST_EVEN  # the output's bf16 store
+    merge_fma: bool = True  # the KV tiles' rescale and the split-KV merge fused (AVX-512 builds), or multiply then add (AVX2)
 
     def __post_init__(self) -> None:
         for name, kind in (("scores", Scores), ("exp", Exp), ("reduce", LaneSum), ("store", Rounding)):
             object.__setattr__(self, name, parse_enum(kind, getattr(self, name), f"AttentionArithmetic.{name}"))
-        for name in ("p_bf16", "fma"):
+        for name in ("p_bf16", "fma", "merge_fma"):
             _bool(getattr(self, name), f"AttentionArithmetic.{name}")
 
     def describe(self) -> str:
         p = "bf16 P" if self.p_bf16 else "fp32 P"
-        return f"{self.scores} scores, {self.exp} exp, {self.reduce} lane sum, {p}, {'fma' if self.fma else 'mul+add'}, {self.store} store"
+        merge = "" if self.merge_fma else ", mul+add merge"
+        dots = "fma" if self.fma else "mul+add"
+        return f"{self.scores} scores, {self.exp} exp, {self.reduce} lane sum, {p}, {dots}, {self.store} store{merge}"
 
     def op_args(self) -> dict[str, Any]:
         """The named arguments of ``fxp_engine.attention`` that select this arithmetic."""
         return {"scores": str(self.scores), "exp": str(self.exp), "lane_sum": str(self.reduce), "p_bf16": self.p_bf16,
-                "fma": self.fma, "store": str(self.store)}  # fmt: skip
+                "fma": self.fma, "store": str(self.store), "merge_fma": self.merge_fma}  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         return {"scores": str(self.scores), "exp": str(self.exp), "reduce": str(self.reduce), "p_bf16": self.p_bf16, "fma": self.fma,
-                "store": str(self.store)}  # fmt: skip
+                "store": str(self.store), "merge_fma": self.merge_fma}  # fmt: skip
 
     @classmethod
     def from_dict(cls, data: object, where: str = "contract.attention") -> AttentionArithmetic:
-        data = _object(data, where, ("scores", "exp", "reduce", "p_bf16", "fma", "store"))
+        if isinstance(data, dict) and "merge_fma" not in data:  # written before the field: fused, as it then computed
+            data = {**data, "merge_fma": True}
+        data = _object(data, where, ("scores", "exp", "reduce", "p_bf16", "fma", "store", "merge_fma"))
         try:
             return cls(**data)
         except PrecisionError as exc:

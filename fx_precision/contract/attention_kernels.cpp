@@ -21,6 +21,8 @@
 // Split-KV: where the engine split a row's keys across threads, each part runs its own online softmax over its
 // keys, and the parts merge in key order: the larger max M keeps its (L, O); the other's scale by f = expf(smaller
 // - larger), fused (L = fma(l, f, L), O = fma(o, f, O)); M = max. The output is O / L as above.
+// Where the engine's build compiles these two without FMA (merge_fma 0: vLLM's AVX2 build, no -mfma), the tile
+// rescale and the merge multiply, round, then add (l_t + f * l; O + o * f).
 //
 // The amx variant runs the engine's own instruction, TDPBF16PS, on the same 32-element chunks in the
 // same order (scores: head dims 0-31, 32-63, ...; P.V: keys 0-31, 32-63, ...): how that instruction
@@ -47,6 +49,7 @@ struct Problem {
   int64_t window, q_offset;
   int exp_kind, reduce_kind, store_kind;
   bool amx, flush, p_bf16, fma;
+  bool merge_fma;  // the tile rescale and the split-KV merge fused (the AVX-512 builds), or multiply then add (AVX2)
   int64_t threads;
   const int32_t* kv_tiles;  // [B, T, kv_splits, 4]: each row's split-KV parts (first key, end key, tile origin, keys per
   int64_t kv_splits;        // tile; keys 0: one tile; end <= first: no part), or null: one part of one tile
@@ -387,7 +390,7 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
             const float tile_sum = reduce_lanes(lane, P.reduce_kind);
             if (rescale) {
               const float f = std::exp(shift);
-              part_l = std::fmaf(f, part_l, tile_sum);
+              part_l = P.merge_fma ? std::fmaf(f, part_l, tile_sum) : tile_sum + f * part_l;
               if (!first_tile)
                 for (int64_t d = 0; d < D; ++d) acc[d] = acc[d] * f;
               m = tile_max;
@@ -444,12 +447,12 @@ void attention_rowwise(const Problem& P, bool hardware_amx) {
           // reduce_splits: the larger max keeps its terms, the other's are scaled by expf(smaller - larger), fused
           if (merged_m > m) {
             const float f = std::exp(m - merged_m);
-            l = std::fmaf(part_l, f, l);
-            for (int64_t d = 0; d < D; ++d) total[d] = std::fmaf(acc[d], f, total[d]);
+            l = P.merge_fma ? std::fmaf(part_l, f, l) : l + part_l * f;
+            for (int64_t d = 0; d < D; ++d) total[d] = P.merge_fma ? std::fmaf(acc[d], f, total[d]) : total[d] + acc[d] * f;
           } else {
             const float f = std::exp(merged_m - m);
-            l = std::fmaf(l, f, part_l);
-            for (int64_t d = 0; d < D; ++d) total[d] = std::fmaf(total[d], f, acc[d]);
+            l = P.merge_fma ? std::fmaf(l, f, part_l) : part_l + l * f;
+            for (int64_t d = 0; d < D; ++d) total[d] = P.merge_fma ? std::fmaf(total[d], f, acc[d]) : acc[d] + total[d] * f;
           }
           merged_m = std::fmax(merged_m, m);
         }
@@ -612,6 +615,7 @@ struct FxpAttentionVariant {
   int32_t fma;        // fused multiply-adds in the fp32 dot products (vec)
   int32_t store;      // Store: STORE_RNE | STORE_TRUNC
   int32_t flush;      // denormals flushed as AMX flushes them
+  int32_t merge_fma;  // the tile rescale and the split-KV merge: fused multiply-adds, or multiply then add
 };
 
 void fxp_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint16_t* out, const int64_t* key_lens, const uint8_t* mask,
@@ -623,7 +627,7 @@ void fxp_attention(const uint16_t* q, const uint16_t* k, const uint16_t* v, uint
             B, T, H, D, S, KVH, H / KVH, mask != nullptr ? mask_heads : 1,
             static_cast<float>(scale), causal != 0, window, q_offset,
             a.exp, a.lane_sum, a.store,
-            a.scores == QK_AMX, a.scores == QK_AMX && a.flush != 0, a.p_bf16 != 0, a.fma != 0, threads, kv_tiles, kv_splits};
+            a.scores == QK_AMX, a.scores == QK_AMX && a.flush != 0, a.p_bf16 != 0, a.fma != 0, a.merge_fma != 0, threads, kv_tiles, kv_splits};
   const bool hardware_amx = P.amx && D % 32 == 0;
   if (hardware_amx && !rowwise && !any_row_spans_tiles(P)) {
     attention_amx_tiled(P);

@@ -159,10 +159,11 @@ def order_struct(kernel: str, bias_first: bool, blocks: tuple[int, ...], parts: 
 class AttentionVariantStruct(ctypes.Structure):
     """``FxpAttentionVariant`` of attention_kernels.cpp: one arithmetic of the engine's attention kernel."""
 
-    _fields_ = [(name, ctypes.c_int32) for name in ("scores", "exp", "lane_sum", "p_bf16", "fma", "store", "flush")]
+    _fields_ = [(name, ctypes.c_int32) for name in ("scores", "exp", "lane_sum", "p_bf16", "fma", "store", "flush", "merge_fma")]
 
 
-def attention_variant(scores: str, exp: str, lane_sum: str, p_bf16: bool, fma: bool, store: str) -> AttentionVariantStruct:
+def attention_variant(scores: str, exp: str, lane_sum: str, p_bf16: bool, fma: bool, store: str,
+                      merge_fma: bool = True) -> AttentionVariantStruct:  # fmt: skip
     """The C struct of an attention arithmetic given by its names (``AttentionArithmetic.op_args``)."""
     codes = {"scores": {"amx": 0, "vec": 1}, "exp": {"libm": 0, "fast512": 1}, "lane_sum": {"avx512": 0, "avx2": 1},
              "store": {"nearest-even": 0, "truncate": 1}}  # fmt: skip
@@ -173,6 +174,7 @@ def attention_variant(scores: str, exp: str, lane_sum: str, p_bf16: bool, fma: b
     return AttentionVariantStruct(
         codes["scores"][scores], codes["exp"][exp], codes["lane_sum"][lane_sum], int(p_bf16), int(fma), codes["store"][store],
         int(scores == "amx"),  # AMX flushes denormals
+        int(merge_fma),
     )  # fmt: skip
 
 

@@ -143,9 +143,10 @@ def match_norm(
 AttentionRun = Callable[[list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]], list[torch.Tensor]]  # one call of requests
 
 
-def attention_candidates() -> list[AttentionArithmetic]:
+def attention_candidates(merge_fma: bool = True) -> list[AttentionArithmetic]:
     """Every arithmetic of the engine's CPU attention this CPU can run: the AMX variants only where it has AMX tiles
-    (an engine on a CPU without them never runs them, and the contract's AMX kernel needs them)."""
+    (an engine on a CPU without them never runs them, and the contract's AMX kernel needs them); each with the KV
+    tiles' rescale and split-KV merge ``merge_fma`` (fused, or multiply then add: the engine's build says which)."""
     from fx_precision.contract.kernels import engine_kernels
 
     amx = engine_kernels().cpu_has_amx()
@@ -154,7 +155,7 @@ def attention_candidates() -> list[AttentionArithmetic]:
                                                              ("nearest-even", "truncate")):  # fmt: skip
         if scores == "amx" and (not amx or fma or store == "truncate" or reduce == "avx2"):
             continue  # AMX: exact bf16 products (fma changes nothing), an AVX-512 build, rounding stores
-        out.append(AttentionArithmetic(scores, exp, reduce, scores == "amx", fma, store))  # type: ignore[arg-type]
+        out.append(AttentionArithmetic(scores, exp, reduce, scores == "amx", fma, store, merge_fma))  # type: ignore[arg-type]
     return out
 
 
@@ -215,12 +216,14 @@ def _ramped_requests(shape: Sequence[tuple[int, int]], heads: int, kv_heads: int
     return made
 
 
-def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator,
-                    tiling: KvTiling | None = None) -> tuple[AttentionArithmetic | None, AttentionEvidence]:  # fmt: skip
+def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen: torch.Generator, tiling: KvTiling | None = None,
+                    merge_fma: bool = True) -> tuple[AttentionArithmetic | None, AttentionEvidence]:  # fmt: skip
     """The attention arithmetic: the candidates that give every prefill probe's bits (each length alone), narrowed by
     decode rows (one query at the last position) where some candidates give theirs too. Where no candidate gives a
     decode row's bits (split-KV: keys split across threads, merged), the prefill's arithmetic is kept and ``decode``
-    says a lone decode row is not followed (``check_attention_calls`` then says whether the run's calls were)."""
+    says a lone decode row is not followed (``check_attention_calls`` then says whether the run's calls were).
+    ``merge_fma``: how the engine's build rescales across KV tiles and merges split-KV parts (fused or not); a lone
+    call seldom shows it, the run's split decode rows do (``check_attention_calls``)."""
     scale = dim**-0.5
     prefill = [_requests([(n, n)], heads, kv_heads, dim, gen)[0] for n in PROBE_LENGTHS]
     decode = [_requests([(1, n)], heads, kv_heads, dim, gen)[0] for n in PROBE_LENGTHS]
@@ -233,7 +236,7 @@ def match_attention(run: AttentionRun, heads: int, kv_heads: int, dim: int, gen:
 
     counts: dict[str, int] = {}
     kept = []
-    for arith in attention_candidates():
+    for arith in attention_candidates(merge_fma):
         counts[arith.describe()] = wrong(arith, prefill, got_prefill)
         if counts[arith.describe()] == 0:
             kept.append(arith)

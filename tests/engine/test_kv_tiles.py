@@ -35,3 +35,5 @@ def test_every_row_is_the_engines_bits_in_its_tiles_and_parts(threads: int, spli
     # (the run's own calls are checked with both: check_attention_calls)
     assert found["one_pass"]["ramped"] > 2 * found["one_pass"]["random"], found["one_pass"]
     assert (found["parts"] > 1) == (split_kv == "on"), f"split-KV parts per row at most {found['parts']}"
+    if split_kv == "on":  # the merge of a split row's parts as the engine's build computes it, and the other form not
+        assert found["merge"]["kept"] == 0 and found["merge"]["other"] > 0, found["merge"]

@@ -50,6 +50,7 @@ def engine_attention(
     fma: bool,
     store: str,
     kv_tiles: torch.Tensor | None = None,
+    merge_fma: bool = True,
 ) -> torch.Tensor:
     """q [B, T, H, D], k / v [B, S, KVH, D] (bf16), key_lens [B], mask [B, 1|H, T, S] or None: attention as the engine
     computes it, in the arithmetic the named arguments select (``AttentionArithmetic.op_args``), each row's keys in
@@ -57,7 +58,7 @@ def engine_attention(
     the forward's (``engine_rows``), else one tile per row."""
     out_dtype = q.dtype
     q16, k16, v16 = (t.to(torch.bfloat16) for t in (q, k, v))
-    variant = attention_variant(scores, exp, lane_sum, p_bf16, fma, store)
+    variant = attention_variant(scores, exp, lane_sum, p_bf16, fma, store, merge_fma)
     if scores == "amx":
         _require_amx()
     allowed = allowed_mask(mask)
@@ -114,7 +115,7 @@ def _require_amx() -> None:
 
 
 @engine_attention.register_fake
-def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store, kv_tiles=None):
+def _(q, k, v, key_lens, mask, scale, causal, window, q_offset, scores, exp, lane_sum, p_bf16, fma, store, kv_tiles=None, merge_fma=True):
     return q.new_empty(q.shape)
 
 
@@ -161,7 +162,7 @@ def _attention_backward(ctx: OpContext, grad: torch.Tensor) -> tuple[torch.Tenso
     fold = heads // kv_heads  # GQA: each key/value head collects its query heads' gradients
     grad_k = grad_k.reshape(*grad_k.shape[:2], kv_heads, fold, -1).sum(3)
     grad_v = grad_v.reshape(*grad_v.shape[:2], kv_heads, fold, -1).sum(3)
-    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 13)
+    return grad_q.to(q.dtype), grad_k.to(k.dtype), grad_v.to(v.dtype), *([None] * 14)
 
 
 engine_attention.register_autograd(_attention_backward, setup_context=_attention_setup)

@@ -63,6 +63,17 @@ FAMILIES: dict[CpuFamily, FamilySettings] = {
 ISA_CHOICES = ("auto", *(str(f) for f in CpuFamily))  # auto: this machine's own family
 
 
+PORTABLE_BUILD = "_C_AVX2"  # vLLM's portable kernel library: every x86 CPU runs it; compiled without FMA
+
+
+def attention_merge_fused(kernels: str | None) -> bool:
+    """Whether the kernel build ``kernels`` (``engine.kernels`` of a dump, e.g. ``AVX2 (_C_AVX2)``) fuses its CPU
+    attention's rescale across KV tiles and its split-KV merge (``a * f + b`` in one rounding): the AVX-512 builds
+    do; the portable build, compiled without FMA, multiplies and then adds (held on an AVX2 EPYC: a split decode
+    row's bf16 output parts by an ulp now and then under the fused form)."""
+    return PORTABLE_BUILD not in str(kernels)
+
+
 def cpu_flags() -> set[str]:
     """This CPU's feature flags (``/proc/cpuinfo``; empty where it cannot be read)."""
     try:

@@ -25,11 +25,11 @@ import torch
 
 from fx_precision.contract.evidence import CandidateEvidence, keeping
 from fx_precision.contract.gdn_form import AVX512, HEAD_DIMS, KERNELS, PORTABLE, PORTABLE_FMA, GdnForm
+from fx_precision.engines.vllm.cpu_family import PORTABLE_BUILD  # its GDN ops: generic lanes, glibc, no FMA
 
 if TYPE_CHECKING:
     from transformers import PretrainedConfig
 
-PORTABLE_BUILD = "_C_AVX2"  # the kernel library of vLLM's portable build (its GDN ops: generic lanes, glibc, no FMA)
 PORTABLE_FMA_BUILD = "_C_AVX512"  # the AVX-512 library without BF16 (its GDN ops: the same generic lanes, GCC's FMAs)
 AVX512_BUILD = "(_C)"  # the AVX-512 + AVX512-BF16 library (its GDN ops: 16 lanes, exp_u20, VRCP14PS, libtorch's brgemm)
 EPS = 1e-5  # vLLM's chunk-kernel wrapper default and the decode kernel's constant

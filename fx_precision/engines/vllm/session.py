@@ -50,7 +50,7 @@ from fx_precision.dump import CallInfo, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.engine_description import EngineDescription
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
-from fx_precision.engines.vllm.cpu_family import FamilySettings, cpu_flags, family_settings, native_family
+from fx_precision.engines.vllm.cpu_family import FamilySettings, attention_merge_fused, cpu_flags, family_settings, native_family
 from fx_precision.engines.vllm.gdn_probe import probe_gdn
 from fx_precision.engines.vllm.modules import ModuleRecorder
 from fx_precision.engines.vllm.probes import (
@@ -609,7 +609,8 @@ class VllmSession:
 
     def _attention_arith(self, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         run, heads, kv_heads, dim = self._attention_run()
-        return match_attention(run, heads, kv_heads, dim, gen, self.kv_tiling(window=-1))
+        merge_fma = attention_merge_fused(self.description.kernels)
+        return match_attention(run, heads, kv_heads, dim, gen, self.kv_tiling(window=-1), merge_fma)
 
     def _attention_at_run(self, generation: Generation, gen: torch.Generator) -> tuple[Any, AttentionEvidence]:
         arith, found = self._probed[OpClass.ATTENTION]
