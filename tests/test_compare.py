@@ -239,4 +239,5 @@ def test_bitwise_means_bit_patterns_a_negative_zero_is_not_zero() -> None:
     found = logprob_metrics(a, b)
     assert found is not None and found["max"] == 0.0
     assert abs(found["bitwise_share"] - 2 / 3) < 1e-12 and found["sequences"][0]["bitwise"] is False
+    assert found["sequences"][0]["first_differing_token"] == {"position": 2, "delta": 0.0}  # token 2's log-prob: its bits
     assert bit_equal(torch.tensor([float("nan")]), torch.tensor([float("nan")])).all()  # the same NaN, the same bits

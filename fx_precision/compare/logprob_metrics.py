@@ -120,13 +120,25 @@ def logprob_metrics(da: Dump, db: Dump) -> dict[str, Any] | None:
     kept = va.prompt_recorded and vb.prompt_recorded
     result["prompt_recorded"] = kept
     result["sequences"] = [
-        {"tokens": len(s.tokens), "prompt_len": p, "bitwise": same_bits(x if kept else x[p - 1 :], y if kept else y[p - 1 :])}
+        {"tokens": len(s.tokens), "prompt_len": p, **_first_differing_token(x, y, 1 if kept else p)}
         for s, p, x, y in zip(va.sequences, prompt_lens, va.logprobs, vb.logprobs, strict=True)
     ]
     result["origin"] = {"a": va.origin, "b": vb.origin}
     if result["non_finite"]:
         result["why"] = f"{result['non_finite']} log-prob(s) are NaN or Inf on a side; the figures are over the finite ones"
     return result
+
+
+def _first_differing_token(a: torch.Tensor, b: torch.Tensor, first: int) -> dict[str, Any]:
+    """A sequence's compared log-probs (token positions ``first`` on; ``a[i]`` is token ``i + 1``'s): bitwise, and where
+    they are not, the first token position whose bits differ and its |delta|."""
+    x, y = a[first - 1 :], b[first - 1 :]
+    if same_bits(x, y):
+        return {"bitwise": True, "first_differing_token": None}
+    if x.shape != y.shape:
+        return {"bitwise": False, "first_differing_token": None}
+    i = int((~bit_equal(x, y)).nonzero()[0])
+    return {"bitwise": False, "first_differing_token": {"position": first + i, "delta": float((x[i] - y[i]).abs())}}
 
 
 def gate(logprob: dict[str, Any] | None, fail_above: float) -> str | None:

@@ -93,6 +93,11 @@ class Comparison:
                     )
             if lp["non_finite"]:
                 lines.append(f"  NOT FINITE: {lp['why']}")
+            apart = [(i, s["first_differing_token"]) for i, s in enumerate(lp["sequences"]) if s["first_differing_token"]]
+            if apart:
+                shown = "; ".join(f"{i} from token {d['position']} (|delta| {d['delta']:.3g})" for i, d in apart[:8])
+                more = f"; {len(apart) - 8} more" if len(apart) > 8 else ""
+                lines.append(f"  sequences not bitwise: {shown}{more}")
         first = self.first_differing
         lines.append(f"first differing module: {module_label(first.fqn) if first else 'none'}")
         origin = self.first_origin
