@@ -34,13 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_contract import CONFIGS, compare, step_times  # benchmarks/engine_contract.py
-from provenance import provenance  # benchmarks/provenance.py
+from engine_contract import CONFIGS, STEP_BUDGET_HELP, STEP_BUDGET_S, compare, step_out_of_budget, step_times
+from provenance import provenance  # benchmarks/engine_contract.py, benchmarks/provenance.py
 from tabulate import tabulate
 
 from fx_precision.errors import PrecisionError
 from fx_precision.tools.checkpoint import EXPERT_COUNTS, check_expert_cut, write_shaped_checkpoint, write_tiny_checkpoint
 
+STEP_PROMPT_LENS, STEP_MAX_TOKENS = "256,256", 256  # the step's batch: two prompts of 256 tokens, 256 sampled each
+STEP_ROWS = sum(int(n) + STEP_MAX_TOKENS for n in STEP_PROMPT_LENS.split(","))
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("as-is eager", ()),
     ("contract compiled", ("--contract", "vllm", "--compiled")),
@@ -93,10 +95,12 @@ def shaped(name: str, out: Path, layers: int, args: argparse.Namespace) -> Path:
 
 
 def measure_step(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
+    cut = f", {experts} experts" if (experts := cut_experts(name, args)) else ""
+    if slow := step_out_of_budget(CONFIGS / name / "config.json", STEP_ROWS, args.step_budget):
+        return {"checkpoint": f"{name} ({args.step_layers} layers{cut})", "row": "step time", **slow}
     checkpoint = shaped(name, root / f"step-{name}", args.step_layers, args)
     dump = root / f"step-dump-{name}"
-    engine = rollout_at_defaults(args.engine_python, checkpoint, dump, args, "256,256", 1, 256)
-    cut = f", {experts} experts" if (experts := cut_experts(name, args)) else ""
+    engine = rollout_at_defaults(args.engine_python, checkpoint, dump, args, STEP_PROMPT_LENS, 1, STEP_MAX_TOKENS)
     row = {"checkpoint": f"{name} ({args.step_layers} layers{cut})", "row": "step time", **engine}
     if "error" in engine:
         return row
@@ -132,8 +136,9 @@ def table(rows: list[dict[str, Any]]) -> str:
         elif r["row"] == "step time" and "error" not in r:
             ratio = f"contract {r['contract']:.3f} s / plain {r['plain']:.3f} s = {r['ratio']:.2f}x"
             body.append([r["checkpoint"], f"step (fwd+bwd, Inductor, batch {r['batch'][0]} x {r['batch'][1]})", "", ratio, "", ""])
-        elif "error" in r:
-            body.append([r["checkpoint"], r["row"], r.get("prompt_lens", ""), f"not run: {r['error']}", "", ""])
+        elif "error" in r:  # a step over its budget says so itself ("not timed: ...")
+            said = r["error"] if "lm_head_input_gradient_s" in r else f"not run: {r['error']}"
+            body.append([r["checkpoint"], r["row"], r.get("prompt_lens", ""), said, "", ""])
         else:
             bitwise = f"{r['generated_bitwise']:.1%} of {r['tokens']} ({r['sequences_bitwise']}/{r['sequences']} seq)"
             body.append([r["checkpoint"], r["row"], r["prompt_lens"], bitwise, f"{r['max']:.2g}", f"{r['mean']:.2g}"])
@@ -152,6 +157,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-layers", type=int, default=3)
     parser.add_argument("--experts", type=int, help="an MoE shape's experts per layer to keep (each as published; 24 GiB holds few)")
     parser.add_argument("--steps", type=int, default=5, help="timed steps (after two warm-up steps)")
+    parser.add_argument("--step-budget", type=float, default=STEP_BUDGET_S, help=STEP_BUDGET_HELP)
     parser.add_argument("--samples", type=int, default=4)
     parser.add_argument("--temperature", type=float, default=1.0)
     parser.add_argument("--max-tokens", type=int, default=16)
