@@ -127,6 +127,12 @@ def bf16_input_gradient_rate() -> float:
     return 2 * grad.shape[0] * grad.shape[1] * weight.shape[1] / (time.perf_counter() - started) / 1e9
 
 
+def step_rows(prompt_lens: str, max_tokens: int) -> int:
+    """The tokens of a step's batch: one sequence per prompt, each cut to the shortest (step_times)."""
+    lens = [int(n) for n in prompt_lens.split(",")]
+    return len(lens) * (min(lens) + max_tokens)
+
+
 def step_out_of_budget(config: Path, rows: int, budget: float) -> dict[str, Any] | None:
     """Why a step of ``rows`` tokens at this published shape is not timed here (a row's fields), or None: the
     lm_head's input gradient alone (rows x vocab x hidden in bf16, the same work on the plain and the contract's
@@ -271,8 +277,8 @@ def measure_step(name: str, args: argparse.Namespace, root: Path) -> dict[str, A
     """The contract's cost: a compiled fwd+bwd step on a rollout's sequences (--step-prompt-lens, --step-max-tokens)."""
     row = {"arch": f"{name} ({args.layers} layers)", "row": "step time", "prompt_lens": args.step_prompt_lens,
            "max_tokens": args.step_max_tokens}  # fmt: skip
-    lens = [int(n) for n in args.step_prompt_lens.split(",")]
-    if slow := step_out_of_budget(CONFIGS / name / "config.json", len(lens) * (max(lens) + args.step_max_tokens), args.step_budget):
+    rows = step_rows(args.step_prompt_lens, args.step_max_tokens)
+    if slow := step_out_of_budget(CONFIGS / name / "config.json", rows, args.step_budget):
         return {**row, **slow}
     checkpoint = write_shaped_checkpoint(CONFIGS / name / "config.json", root / f"step-{name}", layers=args.layers, seed=args.seed,
                                          overwrite=True)  # fmt: skip

@@ -34,7 +34,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from engine_contract import CONFIGS, STEP_BUDGET_HELP, STEP_BUDGET_S, compare, step_out_of_budget, step_times
+from engine_contract import CONFIGS, STEP_BUDGET_HELP, STEP_BUDGET_S, compare, step_out_of_budget, step_rows, step_times
 from provenance import provenance  # benchmarks/engine_contract.py, benchmarks/provenance.py
 from tabulate import tabulate
 
@@ -42,7 +42,6 @@ from fx_precision.errors import PrecisionError
 from fx_precision.tools.checkpoint import EXPERT_COUNTS, check_expert_cut, write_shaped_checkpoint, write_tiny_checkpoint
 
 STEP_PROMPT_LENS, STEP_MAX_TOKENS = "256,256", 256  # the step's batch: two prompts of 256 tokens, 256 sampled each
-STEP_ROWS = sum(int(n) + STEP_MAX_TOKENS for n in STEP_PROMPT_LENS.split(","))
 ROWS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("as-is eager", ()),
     ("contract compiled", ("--contract", "vllm", "--compiled")),
@@ -96,7 +95,7 @@ def shaped(name: str, out: Path, layers: int, args: argparse.Namespace) -> Path:
 
 def measure_step(name: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     cut = f", {experts} experts" if (experts := cut_experts(name, args)) else ""
-    if slow := step_out_of_budget(CONFIGS / name / "config.json", STEP_ROWS, args.step_budget):
+    if slow := step_out_of_budget(CONFIGS / name / "config.json", step_rows(STEP_PROMPT_LENS, STEP_MAX_TOKENS), args.step_budget):
         return {"checkpoint": f"{name} ({args.step_layers} layers{cut})", "row": "step time", **slow}
     checkpoint = shaped(name, root / f"step-{name}", args.step_layers, args)
     dump = root / f"step-dump-{name}"
