@@ -63,14 +63,15 @@ FAMILIES: dict[CpuFamily, FamilySettings] = {
 ISA_CHOICES = ("auto", *(str(f) for f in CpuFamily))  # auto: this machine's own family
 
 
-PORTABLE_BUILD = "_C_AVX2"  # vLLM's portable kernel library: every x86 CPU runs it; compiled without FMA
+PORTABLE_BUILD = "_C_AVX2"  # vLLM's portable kernel library: every x86 CPU runs it (its attention: no FMA contraction)
 
 
 def attention_merge_fused(kernels: str | None) -> bool:
     """Whether the kernel build ``kernels`` (``engine.kernels`` of a dump, e.g. ``AVX2 (_C_AVX2)``) fuses its CPU
     attention's rescale across KV tiles and its split-KV merge (``a * f + b`` in one rounding): the AVX-512 builds
-    do; the portable build, compiled without FMA, multiplies and then adds (held on an AVX2 EPYC: a split decode
-    row's bf16 output parts by an ulp now and then under the fused form)."""
+    do; the portable build multiplies and then adds (its attention is not contracted to FMA, though the library holds
+    FMA instructions elsewhere; held against vLLM's op on an AVX2 EPYC: under the fused form a split decode row's bf16
+    output parts by an ulp now and then)."""
     return PORTABLE_BUILD not in str(kernels)
 
 
