@@ -160,7 +160,7 @@ def test_the_kernels_online_softmax_is_its_description_bit_for_bit(parts: tuple[
     """Rows over 120 keys whose scores jump by more than 8 in one tile (a rescale) and by less in another (the lazy
     max): the kernel's output is the scalar transcription's for every head dim of the rows checked, with the tiles'
     rescale and the parts' merge fused (the AVX-512 builds) or multiplied then added (vLLM's AVX2 build, which vLLM
-    compiles without FMA); tiles and parts change some rows' bits (they move fp32 sums by an ulp or so, which a bf16
+    does not contract to FMA there); tiles and parts change some rows' bits (they move fp32 sums by an ulp or so, which a bf16
     store shows now and then: 2048 rows, each seeing every key), and so does the merge's form where a row has parts
     or a rescale."""
     gen = torch.Generator().manual_seed(3)

@@ -21,7 +21,7 @@
 // Split-KV: where the engine split a row's keys across threads, each part runs its own online softmax over its
 // keys, and the parts merge in key order: the larger max M keeps its (L, O); the other's scale by f = expf(smaller
 // - larger), fused (L = fma(l, f, L), O = fma(o, f, O)); M = max. The output is O / L as above.
-// Where the engine's build compiles these two without FMA (merge_fma 0: vLLM's AVX2 build, no -mfma), the tile
+// Where the engine's build compiles these two without FMA (merge_fma 0: vLLM's AVX2 build), the tile
 // rescale and the merge multiply, round, then add (l_t + f * l; O + o * f).
 //
 // The amx variant runs the engine's own instruction, TDPBF16PS, on the same 32-element chunks in the
