@@ -33,6 +33,9 @@ from fx_precision.tools.checkpoint import write_tiny_checkpoint
 CLI = [sys.executable, "-m", "fx_precision.tools.cli"]
 ENV = {**os.environ, "PYTHONWARNINGS": "ignore"}
 SHM = Path("/dev/shm")
+# a run each test ends itself: a tiny step takes a fraction of a second on the diagnostic launch, so 100 steps can end
+# before a test's signal (or a second run's preflight) reaches the run; the CLI's most never does
+UNENDING = "100000"
 
 
 @pytest.fixture(scope="module")
@@ -137,7 +140,7 @@ class Run:
 
 @pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
 def test_a_stop_signal_to_the_parent_stops_the_whole_run_in_seconds(checkpoint: Path, tmp_path: Path, signum: int) -> None:
-    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none")
+    run = Run(checkpoint, tmp_path / "run", "--steps", UNENDING, "--mode", "audit", "--contract", "none")
     run.wait_steps(2)
     sent = time.monotonic()
     os.kill(run.proc.pid, signum)
@@ -151,7 +154,7 @@ def test_a_stop_signal_to_the_parent_stops_the_whole_run_in_seconds(checkpoint: 
 def test_a_rank_killed_mid_run_ends_it_in_one_line_even_while_saving(checkpoint: Path, tmp_path: Path) -> None:
     """SIGKILL to rank 0 the moment it writes a step (its staging directory appears), else to rank 1 after two steps:
     the run ends naming the rank, the engine and the other rank go with it, DIR keeps the last complete step."""
-    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none")
+    run = Run(checkpoint, tmp_path / "run", "--steps", UNENDING, "--mode", "audit", "--contract", "none")
     run.wait_steps(2)
     ranks = sorted(run.processes("multiprocessing"))
     staging = run.out / "steps"
@@ -171,7 +174,7 @@ def test_a_rank_killed_mid_run_ends_it_in_one_line_even_while_saving(checkpoint:
 
 
 def test_a_stalled_engine_ends_the_run_after_its_calls_limit(checkpoint: Path, tmp_path: Path) -> None:
-    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none", "--world-size", "1",
+    run = Run(checkpoint, tmp_path / "run", "--steps", UNENDING, "--mode", "audit", "--contract", "none", "--world-size", "1",
               "--engine-timeout", "5")  # fmt: skip
     run.wait_steps(1)
     engines = run.processes("fx_precision.engines.serve")
@@ -185,7 +188,8 @@ def test_a_stalled_engine_ends_the_run_after_its_calls_limit(checkpoint: Path, t
 def test_an_engine_stopped_after_step_3_ends_the_run_within_two_minutes_at_the_default_limits(checkpoint: Path, tmp_path: Path) -> None:
     """No --engine-timeout: the engine's heartbeats stop with it, and the client tells that from a slow engine (beats
     arriving) after 30 s of silence, whatever the call's own limit (minutes at the defaults)."""
-    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none", "--world-size", "1", defaults=True)
+    run = Run(checkpoint, tmp_path / "run", "--steps", UNENDING, "--mode", "audit", "--contract", "none", "--world-size", "1",
+              defaults=True)  # fmt: skip
     run.wait_steps(3, limit=600)  # the compiled engine's start and the trainer's Inductor compile come first
     engines = run.processes("fx_precision.engines.serve")
     assert engines
@@ -198,7 +202,7 @@ def test_an_engine_stopped_after_step_3_ends_the_run_within_two_minutes_at_the_d
 
 
 def test_an_engine_killed_mid_run_ends_it_at_once(checkpoint: Path, tmp_path: Path) -> None:
-    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none")
+    run = Run(checkpoint, tmp_path / "run", "--steps", UNENDING, "--mode", "audit", "--contract", "none")
     run.wait_steps(1)
     os.kill(run.processes("fx_precision.engines.serve")[0], signal.SIGKILL)
     code, last = run.finish()
@@ -207,7 +211,7 @@ def test_an_engine_killed_mid_run_ends_it_at_once(checkpoint: Path, tmp_path: Pa
 
 
 def test_overwrite_of_a_live_run_is_refused_and_touches_nothing(checkpoint: Path, tmp_path: Path) -> None:
-    run = Run(checkpoint, tmp_path / "run", "--steps", "100", "--mode", "audit", "--contract", "none", "--world-size", "1")
+    run = Run(checkpoint, tmp_path / "run", "--steps", UNENDING, "--mode", "audit", "--contract", "none", "--world-size", "1")
     run.wait_steps(1)
     second = subprocess.run([*CLI, "onpolicy", "--model", str(checkpoint), "--out", str(run.out), "--overwrite", "--steps", "1"],
                             capture_output=True, text=True, env=ENV, check=False)  # fmt: skip
