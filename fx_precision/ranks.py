@@ -39,10 +39,12 @@ import torch.multiprocessing as mp
 from fx_precision.errors import PrecisionError
 from fx_precision.lifetime import Stopped, die_with_parent, stop_on_signals
 
+RENDEZVOUS = "rendezvous"  # the ranks' FileStore, in the run's temporary directory beside their results
 GRACE = 15.0  # seconds a stopped rank has to end its own way (finally blocks: an engine stopped, files removed) before SIGKILL
 
 
 def free_port() -> int:
+    """A TCP port free at the time of asking (a launcher's --master-port; the spawned ranks meet on a file instead)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -93,16 +95,17 @@ def _start_method() -> str:
     return "forkserver"
 
 
-def _worker(
-    rank: int, world_size: int, port: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str]
-) -> None:
+def _worker(rank: int, world_size: int, outdir: str, fn: Callable[..., Any], args: tuple[Any, ...], environ: dict[str, str]) -> None:
     die_with_parent(signal.SIGTERM)  # the fork server (or the parent) gone: this rank stops too
     faulthandler.enable()  # a rank a fatal signal ends (SIGSEGV, SIGABRT) prints its Python stack to the log first
     os.environ.clear()
     os.environ.update(environ)  # the caller's environment now, not the fork server's from its start
     share = max(1, (os.cpu_count() or 1) // world_size)
     torch.set_num_threads(min(share, int(environ["OMP_NUM_THREADS"])) if environ.get("OMP_NUM_THREADS", "").isdigit() else share)
-    dist.init_process_group(process_group_backend(), init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size)
+    # the rendezvous is a file in the run's own directory, not a TCP port picked free beforehand: a port can be taken
+    # between its pick and rank 0's bind (another run's ranks, an engine), and the run would fail for nothing
+    dist.init_process_group(process_group_backend(), init_method=f"file://{os.path.join(outdir, RENDEZVOUS)}", rank=rank,
+                            world_size=world_size)  # fmt: skip
     path = os.path.join(outdir, f"{rank}.pkl")
     try:
         with stop_on_signals():
@@ -116,7 +119,7 @@ def _worker(
     with open(path, "wb") as f:
         pickle.dump(result, f)
     if result[0] == "ok":
-        # rank 0 hosts the TCPStore: nobody tears down before every rank is done with it
+        # nobody tears down before every rank is done with the store
         dist.barrier()
         dist.destroy_process_group()
     else:
@@ -152,7 +155,7 @@ def run_on_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[An
         sys.warnoptions.append("ignore:resource_tracker:UserWarning")
     with tempfile.TemporaryDirectory() as outdir:
         context = mp.start_processes(
-            _worker, args=(world_size, free_port(), outdir, fn, args, dict(os.environ)), nprocs=world_size, start_method=_start_method(),
+            _worker, args=(world_size, outdir, fn, args, dict(os.environ)), nprocs=world_size, start_method=_start_method(),
             join=False,
         )  # fmt: skip
         try:
