@@ -20,8 +20,7 @@ from dataclasses import replace  # noqa: E402
 
 from fx_precision.contract.attention_tiles import KvTiling  # noqa: E402
 from fx_precision.contract.probing import _contract_attention, _ramped_requests, _requests, call_tiles, match_attention  # noqa: E402
-from fx_precision.engines.vllm import session  # noqa: E402
-from fx_precision.engines.vllm.cpu_family import attention_merge_fused  # noqa: E402
+from fx_precision.engines.vllm.cpu_family import attention_merge_fused, engine_kernel_build  # noqa: E402
 from fx_precision.engines.vllm.probes import engine_attention_batch  # noqa: E402
 
 HEADS, KV_HEADS, DIM = 16, 8, 128  # Qwen3-0.6B's attention
@@ -37,7 +36,7 @@ l2 = int(torch.cpu.get_capabilities().get("l2_cache_size") or 0)
 assert torch.get_num_threads() == threads and l2 > 0, (torch.get_num_threads(), l2)
 tiling = KvTiling(isa, l2, DIM, HEADS, KV_HEADS, threads, split_kv)
 # the probe's lengths cross KV tiles where the L2 is small (512 KiB on Zen 3: 333 keys are two tiles), as the rollout's
-merge_fma = attention_merge_fused(session._kernel_build())
+merge_fma = attention_merge_fused(engine_kernel_build())
 arith, found = match_attention(lambda r: engine_attention_batch(isa, 128, r, DIM**-0.5, split_kv), HEADS, KV_HEADS, DIM,
                                torch.Generator().manual_seed(0), tiling, merge_fma)  # fmt: skip
 assert arith is not None, found

@@ -18,7 +18,7 @@ import torch
 
 def main(family: str, shapes: list[str]) -> None:
     from fx_precision.engines.vllm import session
-    from fx_precision.engines.vllm.cpu_family import family_settings
+    from fx_precision.engines.vllm.cpu_family import engine_kernel_build, family_settings
 
     session._run_as(family_settings(family))
     from vllm.platforms import current_platform
@@ -27,7 +27,7 @@ def main(family: str, shapes: list[str]) -> None:
     from fx_precision.contract.gdn_form import PORTABLE, PORTABLE_FMA
     from fx_precision.engines.vllm.gdn_probe import _build_followed, _differing
 
-    kernels = session._kernel_build()
+    kernels = engine_kernel_build()
     build = _build_followed(kernels, torch.float32)
     other = {PORTABLE: PORTABLE_FMA, PORTABLE_FMA: PORTABLE}.get(build)
     results = []

@@ -66,6 +66,16 @@ ISA_CHOICES = ("auto", *(str(f) for f in CpuFamily))  # auto: this machine's own
 PORTABLE_BUILD = "_C_AVX2"  # vLLM's portable kernel library: every x86 CPU runs it (its attention: no FMA contraction)
 
 
+def engine_kernel_build() -> str:
+    """Which of vLLM's CPU kernel libraries this process's engine loads (vllm/platforms/cpu.py import_kernels asks
+    ``torch.cpu``, which ``family_settings`` can answer for another family): the name the dump records."""
+    import torch
+
+    if not torch.cpu._is_avx512_supported():
+        return "AVX2 (_C_AVX2)"
+    return "AVX512+BF16 (_C)" if torch.cpu._is_avx512_bf16_supported() else "AVX512 (_C_AVX512)"
+
+
 def attention_merge_fused(kernels: str | None) -> bool:
     """Whether the kernel build ``kernels`` (``engine.kernels`` of a dump, e.g. ``AVX2 (_C_AVX2)``) fuses its CPU
     attention's rescale across KV tiles and its split-KV merge (``a * f + b`` in one rounding): the AVX-512 builds

@@ -50,7 +50,14 @@ from fx_precision.dump import CallInfo, Record
 from fx_precision.dump import Sequence as TokenSequence
 from fx_precision.engine_description import EngineDescription
 from fx_precision.engines.adapter import Generation, ModulePass, RolloutConfig, SamplingRequest
-from fx_precision.engines.vllm.cpu_family import FamilySettings, attention_merge_fused, cpu_flags, family_settings, native_family
+from fx_precision.engines.vllm.cpu_family import (
+    FamilySettings,
+    attention_merge_fused,
+    cpu_flags,
+    engine_kernel_build,
+    family_settings,
+    native_family,
+)
 from fx_precision.engines.vllm.gdn_probe import probe_gdn
 from fx_precision.engines.vllm.modules import ModuleRecorder
 from fx_precision.engines.vllm.probes import (
@@ -162,13 +169,6 @@ def kv_cache_gib(config: PretrainedConfig, positions: int) -> int:
 def _head_dim(config: PretrainedConfig) -> int | None:
     heads = int(getattr(config, "num_attention_heads", 0) or 0)
     return int(getattr(config, "head_dim", None) or (config.hidden_size // heads if heads else 0)) or None
-
-
-def _kernel_build() -> str:
-    """Which of vLLM's CPU kernel libraries it chose (vllm/platforms/cpu.py import_kernels)."""
-    if not torch.cpu._is_avx512_supported():
-        return "AVX2 (_C_AVX2)"
-    return "AVX512+BF16 (_C)" if torch.cpu._is_avx512_bf16_supported() else "AVX512 (_C_AVX512)"
 
 
 class StepRecorder:
@@ -351,7 +351,7 @@ class VllmSession:
             prefix_caching=bool(self.llm.llm_engine.vllm_config.cache_config.enable_prefix_caching),
             attention_backend=type(attn.impl).__name__ if attn is not None else None,
             attention_isa=getattr(attn, "isa", None),
-            kernels=_kernel_build(),
+            kernels=engine_kernel_build(),
             cpu_family=str(family.family),  # what the engine ran as (--isa; auto: this machine's own)
             native_family=str(native_family()),
             onednn_max_isa=os.environ.get("ONEDNN_MAX_CPU_ISA"),
