@@ -72,7 +72,7 @@ def engine_kernel_build() -> str:
     import torch
 
     if not torch.cpu._is_avx512_supported():
-        return "AVX2 (_C_AVX2)"
+        return f"AVX2 ({PORTABLE_BUILD})"  # the name attention_merge_fused reads the build by
     return "AVX512+BF16 (_C)" if torch.cpu._is_avx512_bf16_supported() else "AVX512 (_C_AVX512)"
 
 
